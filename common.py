@@ -1,0 +1,529 @@
+"""
+nanoroute/common.py: the small shared core every paper file imports.
+
+1. data      prepare() writes data/<name>/{train,val}.bin (uint16) + meta.json once; get_batch() reads
+             random windows through np.memmap. Datasets: shakespeare (chars), shakespeare_bpe (GPT-2
+             BPE), enwik8 (bytes, 90M/5M/5M), copy and sort (the TSA paper's synthetic tasks).
+2. blocks    pre-norm GPT block that exposes its attention delta and FFN delta separately, and the dense
+             GPT baseline (`--model gpt`): learned positions, tied embeddings, GPT-3 residual init.
+3. compute   TLOps savings Δ (TSA eq. 7) and forward FLOPs per token of each block component.
+4. plumbing  device/autocast/sync, AdamW groups, atomic checkpoints, eval loop, sampling.
+
+Every model file follows one contract: a `Config` dataclass and a `Model` whose
+`forward(idx, targets=None, sparse=False)` returns `(logits, loss, stats)`.
+"""
+import hashlib
+import json
+import math
+import os
+import time
+import zipfile
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import requests
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class NanorouteError(Exception):
+    """A user-facing problem (bad flag, missing data, corrupt checkpoint): printed as one line."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config: nanoGPT's field names; every paper's Config subclasses this one.
+
+@dataclass
+class Config:
+    # model
+    vocab_size: int = 65
+    block_size: int = 128
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 192
+    dropout: float = 0.0
+    bias: bool = False
+    # training
+    max_iters: int = 2000
+    batch_size: int = 16
+    learning_rate: float = 2e-3
+    min_lr: float = 1e-4
+    warmup_iters: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    eval_interval: int = 250
+    eval_iters: int = 40
+    log_interval: int = 50
+    seed: int = 1337
+    device: str = "auto"
+    compile: bool = False
+    out_dir: str = ""          # default: out/<model>-<dataset>
+    data_dir: str = "data"
+    init_from: str = ""        # a checkpoint whose weights (and architecture) start this run
+    model: str = "gpt"
+    dataset: str = "shakespeare"
+
+    def __post_init__(self):
+        for f in fields(self):  # dataclasses do not check types; the CLI and checkpoints rely on them
+            v = getattr(self, f.name)
+            if f.type is float and type(v) is int:
+                setattr(self, f.name, float(v))
+            elif f.type in (int, float, bool, str) and type(v) is not f.type:
+                raise NanorouteError(f"{f.name} must be {f.type.__name__}, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise NanorouteError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size", "eval_iters"):
+            if getattr(self, name) < 1:
+                raise NanorouteError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise NanorouteError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Data
+
+DATA_DIR = "data"
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
+DATASETS = ("shakespeare", "shakespeare_bpe", "enwik8", "copy", "sort")
+TASK_LEN, TASK_VOCAB = 10, 32               # TSA §3.1: length-10 sequences over 32 symbols
+BOS, SEP, EOS = TASK_VOCAB, TASK_VOCAB + 1, TASK_VOCAB + 2
+
+
+def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20):
+    """Stream url to dest.part, check it, then rename: dest exists only if it is complete and intact."""
+    tmp, err = dest + ".part", None
+    for attempt in range(retries):
+        try:
+            with requests.get(url, stream=True, timeout=timeout) as r:
+                r.raise_for_status()
+                total, done, h, t0 = int(r.headers.get("content-length", 0)), 0, hashlib.sha256(), time.time()
+                with open(tmp, "wb") as f:
+                    for block in r.iter_content(chunk):
+                        f.write(block); h.update(block); done += len(block)
+                        if total > 50 * chunk and time.time() - t0 > 2:
+                            print(f"\r  {done / 1e6:.0f}/{total / 1e6:.0f} MB", end="", flush=True); t0 = time.time()
+                if total and done != total:
+                    raise IOError(f"download interrupted: got {done} of {total} bytes")
+            if sha256 and h.hexdigest() != sha256:
+                os.remove(tmp)
+                raise NanorouteError(f"{url}: sha256 mismatch (got {h.hexdigest()[:12]}…, expected "
+                                     f"{sha256[:12]}…); place a good copy at {dest}")
+            os.replace(tmp, dest)
+            return dest
+        except (requests.RequestException, IOError) as e:
+            err = e
+            time.sleep(min(2 ** attempt, 8) * (attempt + 1 < retries))
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    raise NanorouteError(f"could not download {url} ({type(err).__name__}: {err}); "
+                         f"download it yourself and place it at {dest}")
+
+
+def _write_split(path, ids, vocab):
+    arr = np.asarray(ids, dtype=np.uint16 if vocab <= 65536 else np.uint32)
+    arr.tofile(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return len(arr)
+
+
+def _task_records(kind, n, rng):
+    """[BOS] src [SEP] tgt [EOS]; tgt = src (copy) or sorted(src) (sort)."""
+    src = rng.integers(0, TASK_VOCAB, size=(n, TASK_LEN))
+    tgt = src if kind == "copy" else np.sort(src, axis=1)
+    col = lambda v: np.full((n, 1), v)
+    return np.concatenate([col(BOS), src, col(SEP), tgt, col(EOS)], axis=1).reshape(-1)
+
+
+def prepare(name, data_dir=DATA_DIR, url=None):
+    """Write data/<name>/{train,val}.bin + meta.json once. An input file already in place is never
+    downloaded again, so dropping the file there is the offline path."""
+    if name not in DATASETS:
+        raise NanorouteError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    d = os.path.join(data_dir, name)
+    meta_path = os.path.join(d, "meta.json")
+    if os.path.exists(meta_path):
+        return load_meta(name, data_dir)
+    os.makedirs(d, exist_ok=True)
+    splits, meta = {}, {"dataset": name}
+    if name in ("shakespeare", "shakespeare_bpe"):
+        src = next((p for p in (os.path.join(d, "input.txt"), os.path.join(data_dir, "shakespeare", "input.txt"))
+                    if os.path.exists(p)), None)
+        if src is None:
+            src = download(url or SHAKESPEARE_URL, os.path.join(d, "input.txt"), SHAKESPEARE_SHA256)
+        text = open(src, encoding="utf-8").read()
+        n = int(0.9 * len(text))  # nanoGPT's 90/10 split, so val losses compare with its 1.4697
+        if name == "shakespeare":
+            chars = sorted(set(text))
+            stoi = {c: i for i, c in enumerate(chars)}
+            splits = {"train": [stoi[c] for c in text[:n]], "val": [stoi[c] for c in text[n:]]}
+            meta.update(vocab_size=len(chars), itos=chars, unit="char")
+        else:
+            enc = _bpe()
+            splits = {"train": enc.encode_ordinary(text[:n]), "val": enc.encode_ordinary(text[n:])}
+            meta.update(vocab_size=enc.n_vocab, encoding="r50k_base", unit="token")
+        meta["characters"] = len(text)
+    elif name == "enwik8":
+        zpath = os.path.join(d, "enwik8.zip")
+        if not os.path.exists(zpath):
+            download(url or ENWIK8_URL, zpath)
+        try:
+            with zipfile.ZipFile(zpath) as z:
+                if z.testzip() is not None:  # the zip's own CRCs are the integrity check
+                    raise zipfile.BadZipFile("CRC mismatch")
+                raw = np.frombuffer(z.read("enwik8")[:10 ** 8], dtype=np.uint8)
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise NanorouteError(f"{zpath} is corrupt ({e}); delete it and run again, or place a good copy there")
+        n = len(raw)
+        a, b = int(0.9 * n), int(0.95 * n)  # the standard 90M/5M/5M split
+        splits = {"train": raw[:a], "val": raw[a:b], "test": raw[b:]}
+        meta.update(vocab_size=256, unit="byte", characters=n)
+    else:
+        rng = np.random.default_rng(1234 if name == "copy" else 4321)
+        splits = {"train": _task_records(name, 10_000, rng), "val": _task_records(name, 1_000, rng)}
+        meta.update(vocab_size=TASK_VOCAB + 3, record_len=2 * TASK_LEN + 3, unit="token")
+    for split, ids in splits.items():
+        meta[f"{split}_tokens"] = _write_split(os.path.join(d, f"{split}.bin"), ids, meta["vocab_size"])
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(meta_path + ".tmp", meta_path)
+    print(f"prepared {name}: " + ", ".join(f"{k} {v:,}" for k, v in meta.items()
+                                          if k in ("characters", "vocab_size") or k.endswith("_tokens")))
+    return meta
+
+
+def _bpe():
+    import tiktoken
+    return tiktoken.get_encoding("r50k_base")  # the GPT-2 vocabulary (same ids as "gpt2")
+
+
+def load_meta(name, data_dir=DATA_DIR):
+    path = os.path.join(data_dir, name, "meta.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise NanorouteError(f"{path} is missing or corrupt ({type(e).__name__}); delete {os.path.dirname(path)} "
+                             "and run again to re-prepare")
+
+
+def load_split(name, split, data_dir=DATA_DIR):
+    path = os.path.join(data_dir, name, f"{split}.bin")
+    if not os.path.exists(path):
+        raise NanorouteError(f"{path} is missing; delete {os.path.dirname(path)} and run again to re-prepare")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def get_batch(data, meta, batch_size, block_size, rng, device="cpu"):
+    """Random windows (x, y) with y = x shifted by one. For copy/sort whole records are drawn and
+    targets before [SEP] are -1 (ignored): the loss sees only the target tokens and [EOS]."""
+    if "record_len" in meta:
+        R = meta["record_len"]
+        rows = rng.integers(0, len(data) // R, size=batch_size)
+        rec = torch.from_numpy(np.stack([data[r * R:(r + 1) * R] for r in rows]).astype(np.int64))  # (B, R)
+        x, y = rec[:, :-1].clone(), rec[:, 1:].clone()
+        y[:, :TASK_LEN + 1] = -1  # positions 0..10 predict src and [SEP]
+    else:
+        if len(data) <= block_size:
+            raise NanorouteError(f"block_size={block_size} is longer than the split ({len(data)} tokens)")
+        ix = rng.integers(0, len(data) - block_size, size=batch_size)
+        x = torch.from_numpy(np.stack([data[i:i + block_size] for i in ix]).astype(np.int64))      # (B, T)
+        y = torch.from_numpy(np.stack([data[i + 1:i + 1 + block_size] for i in ix]).astype(np.int64))
+    device = torch.device(device)
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def decode(meta, ids):
+    if meta["dataset"] == "shakespeare":
+        return "".join(meta["itos"][i] for i in ids)
+    if meta["dataset"] == "shakespeare_bpe":
+        return _bpe().decode(ids)
+    if meta["dataset"] == "enwik8":
+        return bytes(ids).decode("utf-8", errors="replace")
+    return " ".join({BOS: "[BOS]", SEP: "[SEP]", EOS: "[EOS]"}.get(i, str(i)) for i in ids)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Blocks and the dense GPT
+
+class CausalSelfAttention(nn.Module):
+    """Split into qkv() / attend() / c_proj so routed models can run any part on a subset of tokens."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def split_heads(self, t):
+        B, T, C = t.shape
+        return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+
+    def qkv(self, x):
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # 3 × (B, T, C)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
+    def attend(self, q, k, v, attn_mask=None):
+        """Causal SDPA, or an explicit boolean mask (True = may attend); returns merged heads (B, T, C)."""
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
+                                           is_causal=attn_mask is None)  # (B, nh, T, hs)
+        B, nh, T, hs = y.shape
+        return y.transpose(1, 2).reshape(B, T, nh * hs)
+
+    def forward(self, x):
+        return self.resid_dropout(self.c_proj(self.attend(*self.qkv(x))))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm block. attn_delta / ffn_delta are the residual updates TSA (eqs. 3–4) gates separately."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def attn_delta(self, x):
+        return self.attn(self.ln_1(x))
+
+    def ffn_delta(self, x):
+        return self.mlp(self.ln_2(x))
+
+    def forward(self, x):
+        x = x + self.attn_delta(x)
+        return x + self.ffn_delta(x)
+
+
+class LM(nn.Module):
+    """Embeddings, final norm, tied head, init and sampling: what every model here shares."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # no padding_idx: id 0 is '\n' in shakespeare
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+
+    def init_weights(self):
+        """N(0, 0.02) everywhere, GPT-3's N(0, (0.02/√(2L))²) on projections into the residual stream.
+        Subclasses call this at the end of __init__, then apply their own special inits."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)  # LayerNorm weights
+
+    def embed(self, idx):
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise NanorouteError(f"sequence of length {T} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+    def head(self, x, targets=None):
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+
+    def num_params(self):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel()  # nanoGPT's convention: position embeddings not counted
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sampling without a cache (models with a cache override this)."""
+        for _ in range(max_new_tokens):
+            logits, _, _ = self(idx[:, -self.cfg.block_size:])
+            idx = torch.cat([idx, sample_next(logits[:, -1], temperature, top_k)], dim=1)
+        return idx
+
+
+def sample_next(logits, temperature=1.0, top_k=None):
+    """logits (B, V) -> next ids (B, 1); temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("inf")
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+
+class Model(LM):
+    """The dense GPT baseline (`--model gpt`)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.init_weights()
+
+    def forward(self, idx, targets=None, sparse=False):
+        x = self.embed(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits, loss = self.head(x, targets)
+        return logits, loss, ({"lm_loss": loss.detach()} if loss is not None else {})
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Compute accounting. FLOPs are forward multiply-adds × 2, per token, per layer.
+
+def tlops_saving(alpha, n_layer):
+    """TSA eq. (7): Δ = 1 − (1 + (L−1)α)/L, the always-on stem block counted in both terms."""
+    return 1.0 - (1.0 + (n_layer - 1) * alpha) / n_layer
+
+
+def flops_qkv(d):            return 2 * 3 * d * d
+def flops_attn_out(d):       return 2 * d * d
+def flops_attn_scores(d, n): return 2 * 2 * d * n        # q·k over n keys, then the weighted sum of n values
+def flops_ffn(d, hidden):    return 2 * 2 * d * hidden
+def flops_lm_head(d, vocab): return 2 * d * vocab
+
+
+def mean_context(T):
+    """Average number of keys a causal query sees in a length-T sequence."""
+    return (T + 1) / 2
+
+
+def dense_flops_per_token(cfg, T):
+    d = cfg.n_embd
+    layer = flops_qkv(d) + flops_attn_out(d) + flops_attn_scores(d, mean_context(T)) + flops_ffn(d, 4 * d)
+    return cfg.n_layer * layer + flops_lm_head(d, cfg.vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Device, optimiser, checkpoints, evaluation
+
+def pick_device(name="auto"):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise NanorouteError(f"device {name!r} is not available here ({str(e).splitlines()[0]})")
+    return device
+
+
+def autocast(device):
+    """bf16 autocast on CUDA when the GPU supports it; fp32 on CPU and MPS (bf16 there is slow or partial)."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def make_optimizer(model, cfg, device):
+    """AdamW; weight decay on matrices only (not on biases, norms, embeddings or 1-D gate parameters)."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        is_embedding = name.startswith(("wte", "wpe")) or "lm_head" in name
+        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                             fused=device.type == "cuda")
+
+
+def lr_at(it, cfg):
+    """Linear warm-up, then cosine to min_lr at max_iters."""
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / cfg.warmup_iters
+    ratio = min(1.0, (it - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters))
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def save_checkpoint(path, **state):
+    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path):
+    if not os.path.exists(path):
+        raise NanorouteError(f"checkpoint {path} not found")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise NanorouteError(f"checkpoint {path} is corrupt or not a nanoroute checkpoint "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
+        raise NanorouteError(f"checkpoint {path} has no model/config: not a nanoroute checkpoint")
+    return ckpt
+
+
+def check_same_arch(saved, cfg, path):
+    for k in ARCH_FIELDS:
+        if k in saved and saved[k] != getattr(cfg, k):
+            raise NanorouteError(f"checkpoint {path} has {k}={saved[k]} but this run asks for {k}={getattr(cfg, k)}")
+
+
+def eval_rng(seed, split, k):
+    """The k-th evaluation batch of a split is the same in every run with this seed."""
+    return np.random.default_rng([seed, 1 + ("train", "val", "test").index(split), k])
+
+
+@torch.no_grad()
+def estimate_loss(model, data, meta, cfg, device, split="val", sparse=False):
+    """Mean LM loss, next-token accuracy and every routing stat over cfg.eval_iters fixed batches, in
+    eval mode (hard routing). Returns plain floats."""
+    was_training = model.training
+    model.eval()
+    sums = {}
+    for k in range(cfg.eval_iters):
+        x, y = get_batch(data, meta, cfg.batch_size, cfg.block_size, eval_rng(cfg.seed, split, k), device)
+        with autocast(device):
+            logits, loss, stats = model(x, y, sparse=sparse)
+        mask = y >= 0
+        stats = {"loss": stats.get("lm_loss", loss), **stats,
+                 "acc": ((logits.argmax(-1) == y) & mask).sum() / mask.sum()}
+        for name, v in stats.items():
+            if torch.is_tensor(v) and v.numel() == 1:
+                sums[name] = sums.get(name, 0.0) + v.float()
+    model.train(was_training)
+    out = {name: (v / cfg.eval_iters).item() for name, v in sums.items()}
+    out.pop("lm_loss", None)
+    if meta.get("unit") in ("char", "byte"):
+        out["bpc"] = out["loss"] / math.log(2)
+    return out
+
