@@ -1,0 +1,1 @@
+"""conddepth: filled by its paper issue."""

@@ -1,0 +1,1 @@
+"""dtrnet: filled by its paper issue."""

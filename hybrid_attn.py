@@ -1,0 +1,1 @@
+"""hybrid_attn: filled by its paper issue."""

@@ -1,0 +1,1 @@
+"""tsa: filled by its paper issue."""
