@@ -159,7 +159,6 @@ class DTRBlock(common.Block):
             B, T, C = h.shape
             # stable sort puts routed tokens first, in their original order -> causal order is kept
             order = torch.argsort((~delta).to(torch.int8), dim=1, stable=True)[:, :R]  # (B, R)
-            valid = torch.gather(delta, 1, order)                                     # (B, R)
             idx = order[..., None].expand(B, R, C)
             hr, vr = torch.gather(h, 1, idx), torch.gather(v, 1, idx)                  # (B, R, C)
             W, b = self.attn.c_attn.weight, self.attn.c_attn.bias
@@ -169,8 +168,8 @@ class DTRBlock(common.Block):
             # key 0; their outputs are discarded). So: is_causal SDPA on (B, nh, R, hs).
             split = self.attn.split_heads
             ar = self.attn.attend(split(q), split(k), split(vr))  # (B, R, C)
-            # padding slots hold bypassed tokens: write back their own v, a no-op
-            a = v.scatter(1, idx, torch.where(valid[..., None], ar, vr))
+            # padding slots are bypassed tokens: what lands there is ignored, mix() takes their own v
+            a = v.scatter(1, idx, ar)
         return self.mix(a, h, v, delta, g_attn, g_bypass), g_attn, delta
 
     def forward(self, x, sparse=False):
