@@ -175,7 +175,8 @@ def test_causality(mode):
 
 @pytest.mark.parametrize("hard", [False, True])
 def test_gradients_reach_every_router(hard):
-    m = make(mixed=hard)
+    """With λ = 0, so the task loss alone must reach them (the paper's λ=0 routing; the ST estimator)."""
+    m = make(mixed=hard, lam=0.0)
     m.train()
     m.hard_train = hard
     x = ids()
