@@ -174,7 +174,12 @@ def train(cfg, module, resume=False):
 
     t0, t_last = time.time(), time.time()
     for it in range(start, cfg.max_iters + 1):
-        if master and (it % cfg.eval_interval == 0 or it == cfg.max_iters) and not (resume and it == start):
+        eval_now = (it % cfg.eval_interval == 0 or it == cfg.max_iters) and not (resume and it == start)
+        if eval_now:
+            rng = {"rng_cpu": _gather_rng(torch.get_rng_state(), ddp)}  # a collective: every rank joins
+            if device.type == "cuda":
+                rng["rng_cuda"] = _gather_rng(torch.cuda.get_rng_state(), ddp)
+        if master and eval_now:
             ev = {split: common.estimate_loss(raw_model, data, meta, cfg, device, split)
                   for split, data in (("train", train_data), ("val", val_data))}
             best_val = min(best_val, ev["val"]["loss"])
@@ -185,9 +190,7 @@ def train(cfg, module, resume=False):
                     **{f"val_{k}": v for k, v in ev["val"].items() if k != "loss"}})
             common.save_checkpoint(
                 ckpt_path, model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-                config=dataclasses.asdict(cfg), iter=it, best_val_loss=best_val,
-                rng_cpu=_gather_rng(torch.get_rng_state(), ddp),
-                **({"rng_cuda": _gather_rng(torch.cuda.get_rng_state(), ddp)} if device.type == "cuda" else {}))
+                config=dataclasses.asdict(cfg), iter=it, best_val_loss=best_val, **rng)
         if it == cfg.max_iters:
             break
         if hasattr(raw_model, "on_step"):  # schedules that depend on the step (temperatures, label phases)
