@@ -117,8 +117,174 @@ def bench_gpt(args, device):
 
 
 # ----------------------------------------------------------------------------------------------------
+# hybrid: Gated DeltaNet chunked vs recurrent, GDN vs softmax, cached decode per pattern, sparse vs dense-hard
 
-SUITES = {"gpt": bench_gpt}
+def bench_hybrid(args, device):
+    import hybrid_attn as HA
+    rows, reps = [], min(args.repeats, 3)
+    B, nh, K = (1, 2, 32) if args.quick else (1, 4, 64)
+    for T in ((64, 256) if args.quick else (256, 1024, 4096)):
+        g = torch.Generator().manual_seed(T)
+        q, k, v = (F.normalize(torch.randn(B, nh, T, K, generator=g), dim=-1).to(device) for _ in range(3))
+        gate = (-torch.rand(B, nh, T, generator=g)).to(device)
+        beta = torch.rand(B, nh, T, generator=g).to(device)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, gate, beta)]
+
+        def fwd_bwd(fn):
+            def run():
+                o, S = fn(*leaves)
+                (o.sum() + S.sum()).backward()
+            return run
+        t = timeit({"chunked": fwd_bwd(lambda *a: HA.gated_delta_rule_chunked(*a, chunk_size=64)),
+                    "recurrent": fwd_bwd(HA.gated_delta_rule_recurrent)}, device, reps, warmup=1)
+        rows.append({"suite": "hybrid", "what": "gdn_fwd_bwd", "B": B, "H": nh, "T": T, "K": K,
+                     "chunked_ms": 1e3 * t["chunked"], "recurrent_ms": 1e3 * t["recurrent"],
+                     "speedup_chunked": t["recurrent"] / t["chunked"]})
+        with torch.no_grad():
+            t = timeit({"gdn": lambda: HA.gated_delta_rule_chunked(q, k, v, gate, beta, chunk_size=64),
+                        "softmax": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)},
+                       device, args.repeats)
+        rows.append({"suite": "hybrid", "what": "gdn_vs_softmax_fwd", "B": B, "H": nh, "T": T, "K": K,
+                     "gdn_ms": 1e3 * t["gdn"], "softmax_ms": 1e3 * t["softmax"],
+                     "softmax_over_gdn": t["softmax"] / t["gdn"]})
+
+    # cached decoding, tokens/s per pattern (random weights: routed layers split tokens by an untrained router)
+    n_new, prompt_len = (16, 8) if args.quick else (128, 16)
+    for pattern in ("G R R S", "G G G S", "S S S S"):
+        torch.manual_seed(0)
+        m = HA.Model(HA.Config(pattern=pattern, block_size=256)).to(device).eval()
+        prompt = torch.randint(0, m.cfg.vocab_size, (1, prompt_len), device=device)
+        t = timeit({"cached": lambda: m.generate(prompt, n_new, temperature=0),
+                    "uncached": lambda: common.LM.generate(m, prompt, n_new, temperature=0)}, device, reps, warmup=1)
+        rows.append({"suite": "hybrid", "what": "decode", "pattern": pattern, "new_tokens": n_new,
+                     "cached_tok_s": n_new / t["cached"], "uncached_tok_s": n_new / t["uncached"],
+                     "speedup_cache": t["uncached"] / t["cached"]})
+
+    # sparse vs dense-hard forward of the hybrid at forced softmax fractions, FLOPs-ideal next to each
+    B, Ts = (2, (64,)) if args.quick else (8, (256, 1024))
+    for T in Ts:
+        torch.manual_seed(0)
+        m = HA.Model(HA.Config(pattern="G R R S", block_size=T)).to(device).eval()
+        x, _ = batch(m.cfg, B, T, device)
+        for frac in (0.1, 0.5):
+            m.forced_route = torch.rand(B, T, len(m.routed), device=device) < frac
+            t = timeit({"sparse": forward(m, x, sparse=True), "dense": forward(m, x)}, device, args.repeats)
+            ideal = HA.flops_per_token(m.cfg, T) / HA.flops_per_token(m.cfg, T, frac, sparse=True)
+            rows.append({"suite": "hybrid", "what": "sparse_vs_dense_hard", "B": B, "T": T, "softmax_frac": frac,
+                         "sparse_ms": 1e3 * t["sparse"], "dense_ms": 1e3 * t["dense"],
+                         "speedup": t["dense"] / t["sparse"], "flops_ideal": ideal})
+    if args.ckpt:  # a trained router's own decisions
+        ck = common.load_checkpoint(args.ckpt)
+        m = HA.Model(HA.Config(**ck["config"])).to(device).eval()
+        m.load_state_dict(ck["model"])
+        if m.routed:
+            T = m.cfg.block_size
+            x, _ = batch(m.cfg, 8, T, device)
+            with torch.no_grad():
+                frac = 1 - m(x)[2][f"gdn_frac_l{m.routed[0]}"].item()
+            t = timeit({"sparse": forward(m, x, sparse=True), "dense": forward(m, x)}, device, args.repeats)
+            rows.append({"suite": "hybrid", "what": "sparse_vs_dense_trained", "B": 8, "T": T,
+                         "softmax_frac_first_routed": frac, "sparse_ms": 1e3 * t["sparse"],
+                         "dense_ms": 1e3 * t["dense"], "speedup": t["dense"] / t["sparse"]})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# dtrnet: dense GPT vs DTRNet sparse forward at forced routed fractions ρ (and a trained router), FLOPs-ideal
+# speedup next to the measured one; cached generation tokens/s and KV-cache bytes vs dense.
+
+class _ForcedRouter(nn.Module):
+    """Routes a ~ρ fraction of tokens: a fixed pseudo-random function of the token's residual vector, so the
+    same token gets the same decision in the full forward and in cached decoding."""
+
+    def __init__(self, rho):
+        super().__init__()
+        self.rho = rho
+
+    def forward(self, x):
+        u = torch.frac(x[..., :8].sum(-1).abs() * 9973.0)          # (B, T) ~ uniform in [0, 1)
+        p = 0.3 + 0.4 * (u < self.rho).to(x.dtype)
+        return torch.stack([p, 1 - p], -1)                         # (B, T, 2)
+
+
+def bench_dtrnet(args, device):
+    import dtrnet
+    quick = args.quick
+    Ts, B = ((64, 128), 2) if quick else ((512, 1024, 2048, 4096), 8)
+    cfg = dtrnet.Config(n_layer=7, n_head=4, n_embd=128, block_size=max(Ts), vocab_size=65)  # bilayer TDTDTDT
+    rows = []
+
+    def forced(rho, c=cfg):
+        m = dtrnet.Model(c).to(device).eval()
+        for blk in m.blocks:
+            if isinstance(blk, dtrnet.DTRBlock):
+                blk.router = _ForcedRouter(rho)
+        return m
+
+    def row(what, T, rho_set, m, dense, extra=None):
+        x, _ = batch(m.cfg, B, T, device)
+        fns = {"dense": forward(dense, x), "sparse": forward(m, x, sparse=True)}
+        if T <= 1024:  # the boolean-mask reference materialises (B, nh, T, T) scores: skip it when large
+            fns["eval_masked"] = forward(m, x)
+        t = timeit(fns, device, args.repeats, warmup=1 if not quick else 2)
+        with torch.no_grad():
+            rho = m(x)[2]["frac_attn"].item()  # the fraction actually routed
+        ideal = 1.0 / dtrnet.flops_ratio(m.cfg, T, rho)
+        meas = t["dense"] / t["sparse"]
+        rows.append({"suite": "dtrnet", "what": what, "B": B, "T": T, "rho_set": rho_set, "rho": rho,
+                     "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"],
+                     "eval_masked_ms": 1e3 * t.get("eval_masked", float("nan")),
+                     "speedup_measured": meas, "speedup_flops_ideal": ideal,
+                     "gain_fraction_of_ideal": (meas - 1) / (ideal - 1) if ideal > 1 else float("nan"),
+                     **(extra or {})})
+
+    torch.manual_seed(0)
+    dense = common.Model(cfg).to(device).eval()
+    for T in Ts:
+        for rho in (0.1, 0.3, 0.5):
+            row("forward_forced", T, rho, forced(rho), dense)
+    if args.ckpt:  # the trained router, at the checkpoint's own context length
+        ck = common.load_checkpoint(args.ckpt)
+        ccfg = dtrnet.Config(**{k: v for k, v in ck["config"].items() if k in dtrnet.Config.__dataclass_fields__})
+        m = dtrnet.Model(ccfg).to(device).eval()
+        m.load_state_dict(ck["model"])
+        data = common.load_split(ccfg.dataset, "val", ccfg.data_dir)
+        meta = common.load_meta(ccfg.dataset, ccfg.data_dir)
+        x, _ = common.get_batch(data, meta, B, ccfg.block_size, common.eval_rng(0, "val", 0), device)
+        dense_c = common.Model(ccfg).to(device).eval()
+        t = timeit({"dense": forward(dense_c, x), "sparse": forward(m, x, sparse=True),
+                    "eval_masked": forward(m, x)}, device, args.repeats)
+        with torch.no_grad():
+            rho = m(x)[2]["frac_attn"].item()
+        ideal = 1.0 / dtrnet.flops_ratio(ccfg, ccfg.block_size, rho)
+        rows.append({"suite": "dtrnet", "what": "forward_trained", "B": B, "T": ccfg.block_size,
+                     "rho_set": "trained", "rho": rho, "dense_ms": 1e3 * t["dense"],
+                     "sparse_ms": 1e3 * t["sparse"], "eval_masked_ms": 1e3 * t["eval_masked"],
+                     "speedup_measured": t["dense"] / t["sparse"], "speedup_flops_ideal": ideal})
+    # cached generation, batch 1: DTRNet at ρ≈0.1 and at ρ=1 (every token cached, i.e. a dense KV cache in
+    # the same code), and the dense GPT without a cache (common.LM.generate)
+    n_new = 32 if quick else 256
+    gcfg = dtrnet.Config(n_layer=7, n_head=4, n_embd=128, block_size=n_new + 1, vocab_size=65)
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
+    gdense = common.Model(gcfg).to(device).eval()
+    for what, m in (("generate_rho0.1", forced(0.1, gcfg)), ("generate_rho1", forced(1.0, gcfg)),
+                    ("generate_dense_nocache", gdense)):
+        common.sync(device)
+        t0 = time.perf_counter()
+        out = m.generate(prompt, n_new, temperature=0, **({"return_cache": True} if m is not gdense else {}))
+        common.sync(device)
+        dt = time.perf_counter() - t0
+        r = {"suite": "dtrnet", "what": what, "B": 1, "T": n_new + 1, "tokens_per_s": n_new / dt}
+        if m is not gdense:
+            held, full = dtrnet.kv_cache_bytes(out[1])
+            r.update(kv_bytes=held, kv_bytes_dense=full, kv_ratio=held / full)
+        rows.append(r)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+
+SUITES = {"gpt": bench_gpt, "hybrid": bench_hybrid, "dtrnet": bench_dtrnet}
 
 
 def main(argv=None):
