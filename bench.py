@@ -283,8 +283,89 @@ def bench_dtrnet(args, device):
 
 
 # ----------------------------------------------------------------------------------------------------
+# tsa: training step soft TSA vs dense; inference dense / soft / hard / sparse(FFN) / sparse(FFN+query) with
+# forced routing over an α sweep (FLOPs-ideal speedup next to each measured one); batch scaling; a trained ckpt
 
-SUITES = {"gpt": bench_gpt, "hybrid": bench_hybrid, "dtrnet": bench_dtrnet}
+def bench_tsa(args, device):
+    import tsa
+    if args.quick:
+        kw, B, T, alphas, batches = dict(n_layer=4, n_head=4, n_embd=64), 4, 64, (0.3, 0.73, 1.0), (1, 4)
+    else:  # the paper's model (d=256, L=6, H=8) at its benchmark shape, batch 64 × seq 256 (its Table 8)
+        kw, B, T, alphas, batches = dict(n_layer=6, n_head=8, n_embd=256), 64, 256, (0.1, 0.3, 0.5, 0.73, 0.9, 1.0), (1, 8, 64, 128)
+    cfg = tsa.Config(vocab_size=65, block_size=T, **kw)
+    torch.manual_seed(0)
+    dense = common.Model(cfg).to(device)
+    model = tsa.Model(cfg).to(device)
+    model.load_state_dict(dense.state_dict(), strict=False)  # the same GPT weights plus routers
+    rows, reps = [], args.repeats
+
+    Btr, Ttr = (4, 64) if args.quick else (16, 128)
+    x, y = batch(cfg, Btr, Ttr, device)
+    model.train()
+    t = timeit({"dense": train_step(dense, x, y, device), "tsa": train_step(model, x, y, device)}, device, reps)
+    rows.append({"suite": "tsa", "what": "train_step", "B": Btr, "T": Ttr, "dense_ms": 1e3 * t["dense"],
+                 "tsa_ms": 1e3 * t["tsa"], "ratio_tsa_vs_dense": t["tsa"] / t["dense"]})
+
+    originals = [r.forward for r in model.routers]
+
+    def force(alpha, B):
+        """Each router still runs, then a fixed random fraction α of the tokens is declared active."""
+        g = torch.Generator().manual_seed(0)
+        for r, orig in zip(model.routers, originals):
+            keep = (torch.rand(B, T, 1, generator=g) < alpha).to(device)
+            r.forward = lambda h, orig=orig, keep=keep: torch.where(keep, 0.25, 0.75) + 0 * orig(h)
+
+    def run(mode, x):
+        @torch.no_grad()
+        def f():
+            with common.autocast(device):
+                if mode == "dense":
+                    return dense(x)
+                model.train(mode == "soft")
+                model.cfg.skip_queries = mode == "sparse_query"
+                return model(x, sparse=mode.startswith("sparse"))
+        return f
+
+    ideal_mode = {"dense": "dense", "soft": "soft", "hard": "soft", "sparse_ffn": "ffn", "sparse_query": "query"}
+
+    def measure(what, alpha, B, modes, x):
+        t = timeit({m: run(m, x) for m in modes}, device, reps, warmup=1)
+        model.eval()
+        a_hard = model(x)[2]["alpha_hard"].item() if len(model.routers) else 1.0
+        for m in modes:
+            ideal = common.dense_flops_per_token(cfg, T) / tsa.flops_per_token(cfg, T, a_hard, ideal_mode[m])
+            speed = t["dense"] / t[m]
+            rows.append({"suite": "tsa", "what": what, "B": B, "T": T, "alpha": a_hard, "mode": m, "ms": 1e3 * t[m],
+                         "speedup_vs_dense": speed, "ideal_speedup": ideal,
+                         "frac_of_ideal_gain": (speed - 1) / (ideal - 1) if ideal > 1.001 else float("nan")})
+
+    dense.eval()
+    x = batch(cfg, B, T, device)[0]
+    for alpha in alphas:  # the α sweep at the paper's shape
+        force(alpha, B)
+        extra = ["soft", "hard"] if alpha == 0.73 else []
+        measure("infer_alpha_sweep", alpha, B, ["dense", *extra, "sparse_ffn", "sparse_query"], x)
+    for Bs in batches:  # batch-size scaling at the paper's Shakespeare α
+        force(0.73, Bs)
+        measure("infer_batch_scaling", 0.73, Bs, ["dense", "sparse_ffn", "sparse_query"], batch(cfg, Bs, T, device)[0])
+    for r, orig in zip(model.routers, originals):
+        r.forward = orig
+
+    if args.ckpt:  # trained routers on real validation text
+        model, tcfg = tsa.load_run(os.path.dirname(args.ckpt))
+        model.to(device)
+        cfg, T = tcfg, tcfg.block_size
+        dense = common.Model(tcfg).to(device).eval()
+        dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("routers.")})
+        val = common.load_split(tcfg.dataset, "val", tcfg.data_dir)
+        x = torch.stack([torch.from_numpy(val[i * T:(i + 1) * T].astype("int64")) for i in range(B)]).to(device)
+        measure("infer_trained_ckpt", float("nan"), B, ["dense", "hard", "sparse_ffn", "sparse_query"], x)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+
+SUITES = {"gpt": bench_gpt, "hybrid": bench_hybrid, "dtrnet": bench_dtrnet, "tsa": bench_tsa}
 
 
 def main(argv=None):
