@@ -339,6 +339,16 @@ def bench_tsa(args, device):
                          "speedup_vs_dense": speed, "ideal_speedup": ideal,
                          "frac_of_ideal_gain": (speed - 1) / (ideal - 1) if ideal > 1.001 else float("nan")})
 
+    if args.ckpt:  # only the trained routers, on real validation text (B windows of the run's block_size)
+        model, cfg = tsa.load_run(os.path.dirname(args.ckpt))
+        model.to(device)
+        T = cfg.block_size
+        dense = common.Model(cfg).to(device).eval()  # the same weights without routers
+        dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("routers.")})
+        val = common.load_split(cfg.dataset, "val", cfg.data_dir)
+        x = torch.stack([torch.from_numpy(val[i * T:(i + 1) * T].astype("int64")) for i in range(B)]).to(device)
+        measure("infer_trained_ckpt", float("nan"), B, ["dense", "hard", "sparse_ffn", "sparse_query"], x)
+        return rows
     dense.eval()
     x = batch(cfg, B, T, device)[0]
     for alpha in alphas:  # the α sweep at the paper's shape
@@ -351,15 +361,6 @@ def bench_tsa(args, device):
     for r, orig in zip(model.routers, originals):
         r.forward = orig
 
-    if args.ckpt:  # trained routers on real validation text
-        model, tcfg = tsa.load_run(os.path.dirname(args.ckpt))
-        model.to(device)
-        cfg, T = tcfg, tcfg.block_size
-        dense = common.Model(tcfg).to(device).eval()
-        dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("routers.")})
-        val = common.load_split(tcfg.dataset, "val", tcfg.data_dir)
-        x = torch.stack([torch.from_numpy(val[i * T:(i + 1) * T].astype("int64")) for i in range(B)]).to(device)
-        measure("infer_trained_ckpt", float("nan"), B, ["dense", "hard", "sparse_ffn", "sparse_query"], x)
     return rows
 
 
