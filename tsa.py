@@ -274,7 +274,7 @@ def flops_per_token(cfg, T, alpha=1.0, mode="dense"):
 @torch.no_grad()
 def exit_sweep(model, data, meta, cfg, device, thresholds=None):
     """α and val loss of the early-exit model at each threshold (App. D)."""
-    thresholds = thresholds or [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99, 0.999, 1.0]
+    thresholds = thresholds or [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0]
     rows = []
     for t in thresholds:
         model.threshold = t

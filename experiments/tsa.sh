@@ -1,0 +1,58 @@
+#!/bin/bash
+# TSA reproduction at CPU scale (results/tsa.md). Every step runs through /work/bin/cpujob (one CPU slot,
+# one thread). Run from the repo root:  nohup bash experiments/tsa.sh > /work/runs/tsa/exp.log 2>&1 &
+# Scale: 4 layers × d=128 (H=4), ctx 128, batch 16, $ITERS iterations (paper: 6 × 256, batch 64, 5000 its).
+set -u
+cd "$(dirname "$0")/.."
+JOB=${CPUJOB-/work/bin/cpujob}
+OUT=${OUT-out/tsa}
+LOG=${LOG-/work/runs/tsa}
+ITERS=${ITERS-1000}
+mkdir -p "$OUT" "$LOG"
+M="--dataset shakespeare --n_layer=4 --n_head=4 --n_embd=128 --block_size=128 --batch_size=16 --max_iters=$ITERS
+   --warmup_iters=100 --learning_rate=2e-3 --min_lr=1e-4 --eval_interval=$ITERS --eval_iters=10 --log_interval=100"
+
+run() {  # run NAME ARGS...: train once (skipped if the run already finished)
+  local name=$1; shift
+  if [ -f "$OUT/$name/done" ]; then echo "skip $name"; return; fi
+  echo "== $name $(date -u +%T)"
+  $JOB python train.py "$@" --out_dir="$OUT/$name" > "$LOG/$name.log" 2>&1 && touch "$OUT/$name/done"
+  tail -n 3 "$LOG/$name.log" | head -n 1
+}
+
+# 1. dense vs TSA (λ = 0.001, the paper's default, and λ = 0.05, its Pareto point), 2 seeds each
+for s in 1 2; do
+  run dense_s$s       --model gpt $M --seed=$s
+  run lam0.001_s$s    --model tsa $M --seed=$s --lam=0.001
+  run lam0.05_s$s     --model tsa $M --seed=$s --lam=0.05
+done
+# 2. λ sweep (seed 1; 0.001 and 0.05 are above)
+for lam in 0 0.01 0.1; do run lam${lam}_s1 --model tsa $M --seed=1 --lam=$lam; done
+# 3. early-exit baseline (same backbone and budget), threshold sweep in the eval step
+run early_exit_s1 --model tsa $M --seed=1 --variant=early_exit
+# 4. beyond the paper: a short straight-through hard-gate phase from the trained soft model
+for lam in 0.05 0.001; do
+  run hardft_lam${lam}_s1 --model tsa --dataset shakespeare --init_from="$OUT/lam${lam}_s1/ckpt.pt" --lam=$lam \
+      --batch_size=16 --max_iters=150 --hard_ft_iters=150 --warmup_iters=10 --learning_rate=5e-4 --min_lr=5e-5 \
+      --eval_interval=150 --eval_iters=10 --log_interval=50 --seed=1
+done
+# 5. copy vs sort (§3.1; the paper's d=128, L=6, H=4; short runs)
+T="--n_layer=6 --n_head=4 --n_embd=128 --batch_size=32 --max_iters=600 --warmup_iters=50 --learning_rate=1e-3
+   --eval_interval=600 --eval_iters=10 --log_interval=100 --seed=1"
+for task in copy sort; do
+  run ${task}_dense --model gpt --dataset $task $T
+  run ${task}_tsa   --model tsa --dataset $task $T --lam=0.001
+done
+# 6. final evaluation (50 fixed val batches), routing pictures, benchmark with trained routers
+runs=""
+for r in dense_s1 dense_s2 lam0.001_s1 lam0.001_s2 lam0.05_s1 lam0.05_s2 lam0_s1 lam0.01_s1 lam0.1_s1 \
+         early_exit_s1 hardft_lam0.05_s1 hardft_lam0.001_s1 copy_dense copy_tsa sort_dense sort_tsa; do
+  [ -f "$OUT/$r/done" ] && runs="$runs $OUT/$r"
+done
+rm -f "$LOG/eval.jsonl"
+$JOB python experiments/tsa_eval.py $runs --out "$LOG/eval.jsonl" > "$LOG/eval.log" 2>&1
+for r in lam0.05_s1 lam0.001_s1 hardft_lam0.05_s1; do
+  [ -f "$OUT/$r/done" ] && python tsa.py picture "$OUT/$r" > "$LOG/picture_$r.txt" 2>&1
+done
+$JOB python bench.py tsa --repeats 3 --ckpt "$OUT/lam0.05_s1/ckpt.pt" --json "$LOG/bench_ckpt.json" > "$LOG/bench_ckpt.log" 2>&1
+echo "all done $(date -u +%T)"
