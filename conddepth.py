@@ -260,7 +260,7 @@ class Model(common.LM):
             else:
                 x = torch.where(m[..., None], h_full, h_cheap)       # eq. (4), hard
             branches.append((h_full.detach(), h_cheap.detach()))
-            if q is not None:                                        # G3: JEPA alignment, eq. (14)
+            if q is not None and targets is not None:                # G3: JEPA alignment, eq. (14)
                 qf, qc = q
                 z = self.gates[j].target(torch.stack([h_full, h_cheap]).detach())  # (2, B, T, d_s)
                 if cfg.shuffle_targets and self.training:            # A2: another token's real targets
@@ -285,7 +285,7 @@ class Model(common.LM):
         stats = {"gate_prob": p_bar.mean().detach(), "full_ratio": torch.stack(masks).float().mean(),
                  "util_var": torch.stack([u.detach().var(correction=0) for u in us]).mean(),
                  "budget": budget.detach(), "alive": alive.detach()}
-        if cfg.gate == "G3" and not sparse:
+        if cfg.gate == "G3" and not sparse and targets is not None:
             stats.update(jepa=jepa.detach() / C, qf_qc_l2=l2 / C, qf_qc_cos=cos / C)
         if lm_loss is None:
             return logits, None, stats
