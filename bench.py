@@ -365,8 +365,58 @@ def bench_tsa(args, device):
 
 
 # ----------------------------------------------------------------------------------------------------
+# conddepth: sparse vs dense-hard execution of the controlled FFN sub-layers (top-k ρ ∈ {0.25, 0.5}), and the
+# whole forward, each next to its FLOPs-ideal speedup
 
-SUITES = {"gpt": bench_gpt, "hybrid": bench_hybrid, "dtrnet": bench_dtrnet, "tsa": bench_tsa}
+def bench_conddepth(args, device):
+    import conddepth as cd
+    if args.ckpt:
+        ck = common.load_checkpoint(args.ckpt)
+        kw = {k: ck["config"][k] for k in common.ARCH_FIELDS}
+    else:
+        kw = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=65) if args.quick else dict(vocab_size=65)
+    B, T = (4, 64) if args.quick else (16, 128)
+    rows = []
+    for rho in (0.25, 0.5):
+        cfg = cd.Config(**{**kw, "block_size": max(T, kw.get("block_size", T))}, rho=rho,
+                        n_controlled=1 if args.quick else 2)
+        torch.manual_seed(0)
+        model = cd.Model(cfg).to(device).eval()
+        if args.ckpt:
+            model.load_state_dict(ck["model"], strict=False)
+        x, _ = batch(cfg, B, T, device)
+        block, cheap = model.blocks[-1], model.cheap[-1]
+        a = torch.randn(B, T, cfg.n_embd, device=device)
+        m = cd.topk_mask(torch.randn(B, T, device=device), cd.budget_k(rho, T))
+
+        @torch.no_grad()
+        def ffn_dense():  # what eval() does: both paths for every token, then select
+            torch.where(m[..., None], a + block.ffn_delta(a), a + cheap(a))
+
+        @torch.no_grad()
+        def ffn_sparse():
+            model.sparse_ffn(block, cheap, a, m)
+        t = timeit({"dense": ffn_dense, "sparse": ffn_sparse}, device, args.repeats)
+        d, dff = cfg.n_embd, 4 * cfg.n_embd
+        ffn, chp = common.flops_ffn(d, dff), common.flops_ffn(d, cfg.cheap_rank)
+        rows.append({"suite": "conddepth", "what": "controlled_ffn_sublayer", "rho": rho, "B": B, "T": T,
+                     "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"], "speedup": t["dense"] / t["sparse"],
+                     "ideal_speedup": (ffn + chp) / (rho * ffn + (1 - rho) * chp)})
+        t = timeit({"dense": forward(model, x), "sparse": forward(model, x, sparse=True)}, device, args.repeats)
+        C, L = cfg.n_controlled, cfg.n_layer
+        attn = common.flops_qkv(d) + common.flops_attn_out(d) + common.flops_attn_scores(d, common.mean_context(T))
+        ctrl = cd.controller_flops(cfg, train=False)
+        base = L * attn + (L - C) * ffn + common.flops_lm_head(d, cfg.vocab_size) + C * ctrl
+        ideal = (base + C * (ffn + chp)) / (base + C * (rho * ffn + (1 - rho) * chp))
+        rows.append({"suite": "conddepth", "what": "model_forward", "rho": rho, "B": B, "T": T,
+                     "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"], "speedup": t["dense"] / t["sparse"],
+                     "ideal_speedup": ideal, "infer_vs_full": cd.infer_vs_full(cfg)})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+
+SUITES = {"gpt": bench_gpt, "hybrid": bench_hybrid, "dtrnet": bench_dtrnet, "tsa": bench_tsa, "conddepth": bench_conddepth}
 
 
 def main(argv=None):
