@@ -1,0 +1,83 @@
+"""Markdown tables for results/tsa.md from experiments/tsa_eval.py's JSON lines.
+
+  python experiments/tsa_report.py /work/runs/tsa/eval.jsonl
+"""
+import json
+import os
+import sys
+
+
+def interp(sweep, alpha):
+    """Early-exit val loss at a given α, linear between the two nearest sweep points."""
+    pts = sorted((r["alpha"], r["val_loss"]) for r in sweep)
+    for (a0, l0), (a1, l1) in zip(pts, pts[1:]):
+        if a0 <= alpha <= a1:
+            return l0 if a1 == a0 else l0 + (l1 - l0) * (alpha - a0) / (a1 - a0)
+    return float("nan")
+
+
+def main(path):
+    recs = {os.path.basename(r["run"]): r for r in map(json.loads, open(path))}
+    f = lambda v, n=4: f"{v:.{n}f}"
+    out = []
+    dense = {r["seed"]: r["val_loss"] for k, r in recs.items() if k.startswith("dense_")}
+    out += ["### Dense vs TSA (Shakespeare char, 4×128)", "",
+            "| run | seed | tokens | val loss dense | soft val (Δ%) | hard 01 val (Δ%) | hard scaled val (Δ%) "
+            "| soft α | TLOps saved (soft) | hard α | TLOps saved (hard) |", "|" + "---|" * 11]
+    for k, r in recs.items():
+        if k.startswith("dense_"):
+            out.append(f"| {k} | {r['seed']} | {r['tokens']:,} | {f(r['val_loss'])} | | | | 1 | 0 | 1 | 0 |")
+    for k, r in recs.items():
+        if r.get("variant") == "tsa" and r["dataset"] == "shakespeare" and k.startswith("lam"):
+            d = dense.get(r["seed"], float("nan"))
+            pct = lambda v: f"{f(v)} ({100 * (v / d - 1):+.2f}%)"
+            out.append(f"| {k} (λ={r['lam']}) | {r['seed']} | {r['tokens']:,} | {f(d)} | {pct(r['soft_loss'])} | "
+                       f"{pct(r['hard_loss_01'])} | {pct(r['hard_loss_scaled'])} | {f(r['alpha'], 3)} | "
+                       f"{100 * r['tlops_saved']:.1f}% | {f(r['alpha_hard'], 3)} | {100 * r['tlops_saved_hard']:.1f}% |")
+    out += ["", "### Per-router active fraction (soft mean 1 − p_l / hard fraction executed)", "",
+            "| run | " + " | ".join(f"r{l}" for l in range(3)) + " |", "|---|---|---|---|"]
+    for k, r in recs.items():
+        if r.get("variant") == "tsa":
+            out.append(f"| {k} | " + " | ".join(f"{a:.3f} / {h:.3f}" for a, h in zip(r["active"], r["hard_active"])) + " |")
+    out += ["", "### Straight-through hard-gate phase (from the soft model)", "",
+            "| run | soft val | hard 01 val | hard scaled val | soft α | hard α | TLOps saved (hard) |", "|---|---|---|---|---|---|---|"]
+    for k, r in recs.items():
+        if r.get("variant") == "tsa" and (k.startswith("hardft_") or k.replace("hardft_", "") in
+                                          [q.replace("hardft_", "") for q in recs if q.startswith("hardft_")]):
+            out.append(f"| {k} | {f(r['soft_loss'])} | {f(r['hard_loss_01'])} | {f(r['hard_loss_scaled'])} | "
+                       f"{f(r['alpha'], 3)} | {f(r['alpha_hard'], 3)} | {100 * r['tlops_saved_hard']:.1f}% |")
+    out += ["", "### Sparse path check on trained routers", "",
+            "| run | max abs logit diff sparse(FFN) vs eval | sparse(FFN+query) vs eval | sparse val loss | eval val loss |",
+            "|---|---|---|---|---|"]
+    for k, r in recs.items():
+        if r.get("variant") == "tsa":
+            hv = "hard_loss_scaled"
+            out.append(f"| {k} | {r['sparse_maxdiff_ffn']:.2e} | {r['sparse_maxdiff_query']:.2e} | {f(r['sparse_loss'])} | {f(r[hv])} (scaled) |")
+    for k, r in recs.items():
+        if r.get("variant") == "early_exit":
+            out += ["", f"### Early exit ({k}): threshold sweep", "", "| threshold | α | TLOps saved | val loss |",
+                    "|---|---|---|---|"]
+            out += [f"| {s['threshold']} | {f(s['alpha'], 3)} | {100 * s['tlops_saved']:.1f}% | {f(s['val_loss'])} |"
+                    for s in r["sweep"]]
+            out += ["", "TSA vs early exit at matched α (early-exit loss interpolated between sweep points; same seed):", "",
+                    "| TSA run | TSA hard α | TSA hard val (best variant) | early exit val at that α | TSA soft α | TSA soft val | early exit val at soft α |",
+                    "|---|---|---|---|---|---|---|"]
+            for q, t in recs.items():
+                if t.get("variant") == "tsa" and t["seed"] == r["seed"] and t["dataset"] == "shakespeare":
+                    hb = min(t["hard_loss_01"], t["hard_loss_scaled"])
+                    out.append(f"| {q} | {f(t['alpha_hard'], 3)} | {f(hb)} | {f(interp(r['sweep'], t['alpha_hard']))} | "
+                               f"{f(t['alpha'], 3)} | {f(t['soft_loss'])} | {f(interp(r['sweep'], t['alpha']))} |")
+    out += ["", "### copy vs sort (§3.1)", "", "| task | model | token acc (hard scaled / dense) | soft α | TLOps saved (soft) | hard α |",
+            "|---|---|---|---|---|---|"]
+    for k, r in recs.items():
+        if r["dataset"] in ("copy", "sort"):
+            if r["model"] == "gpt":
+                out.append(f"| {r['dataset']} | dense | {f(r['acc'])} | 1 | 0 | 1 |")
+            else:
+                out.append(f"| {r['dataset']} | TSA λ={r['lam']} | {f(r['acc_scaled'])} | {f(r['alpha'], 3)} | "
+                           f"{100 * r['tlops_saved']:.1f}% | {f(r['alpha_hard'], 3)} |")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
