@@ -137,21 +137,23 @@ class Model(common.LM):
             p = router(x)                           # (B, T, 1)
             g = self.gate(p, "hard")                # (B, T, 1), 0 for halted tokens
             active = (p <= 0.5).squeeze(-1)         # (B, T)
+            idx = active.flatten().nonzero().squeeze(1)  # (N,) active tokens over the whole batch (host sync)
+            gi = g.reshape(B * T, 1).index_select(0, idx)  # (N, 1) their gates
             if self.cfg.skip_queries:
-                x = self.sparse_attention(block, x, g, active)
+                x = self.sparse_attention(block, x, active, idx, gi)
             else:  # the paper's sparse-TSA: dense attention, gated by the same binary mask
                 x = x + g * block.attn_delta(x)
-            idx = active.flatten().nonzero().squeeze(1)  # (N,) active tokens over the whole batch
             if idx.numel():
                 xf = x.reshape(B * T, C)
                 delta = block.ffn_delta(xf.index_select(0, idx))  # (N, C) FFN on active tokens only
-                x = xf.index_add(0, idx, delta * g.reshape(B * T, 1).index_select(0, idx)).view(B, T, C)
+                x = xf.index_add(0, idx, delta * gi).view(B, T, C)
             ps.append(p)
         return x, ps
 
-    def sparse_attention(self, block, x, g, active):
-        """K/V for every token (active queries attend to halted tokens too); Q, attention and c_proj only
-        for active tokens, packed to the front of each row: (B, Tq) with Tq = max active per row."""
+    def sparse_attention(self, block, x, active, idx, gi):
+        """K/V for every token (active queries attend to halted tokens too); Q and c_proj only for the N
+        active tokens (flattened over the batch); attention on them packed to the front of each row,
+        (B, Tq) with Tq = the most active tokens in any row, with an explicit causal mask by position."""
         B, T, C = x.shape
         attn = block.attn
         h = block.ln_1(x)                                                    # (B, T, C)
@@ -161,14 +163,15 @@ class Model(common.LM):
         Tq = int(n.max())  # host sync: the packed width depends on the routing
         if Tq == 0:
             return x
-        pos = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :Tq]  # (B, Tq) active first
+        pos = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :Tq]  # (B, Tq) active first, in order
         valid = torch.arange(Tq, device=x.device)[None, :] < n[:, None]      # (B, Tq) real vs padding
-        posC = pos[:, :, None].expand(B, Tq, C)
-        q = F.linear(h.gather(1, posC), W[:C], None if b is None else b[:C])  # (B, Tq, C)
+        q = F.linear(h.reshape(B * T, C).index_select(0, idx), W[:C], None if b is None else b[:C])  # (N, C)
+        qp = q.new_zeros(B, Tq, C)
+        qp[valid] = q  # row-major order of valid slots == order of idx (stable sort keeps positions)
         mask = torch.arange(T, device=x.device)[None, None, :] <= pos[:, :, None]  # (B, Tq, T) causal by position
-        y = attn.attend(attn.split_heads(q), attn.split_heads(k), attn.split_heads(v), mask[:, None])  # (B, Tq, C)
-        delta = attn.c_proj(y) * (g.gather(1, pos[:, :, None]) * valid[:, :, None])  # padding adds exactly 0
-        return x.scatter_add(1, posC, delta)
+        y = attn.attend(attn.split_heads(qp), attn.split_heads(k), attn.split_heads(v), mask[:, None])  # (B, Tq, C)
+        delta = attn.c_proj(y[valid])                                        # (N, C)
+        return x.reshape(B * T, C).index_add(0, idx, delta * gi).view(B, T, C)
 
     # ------------------------------------------------------------------------------------------------
 
