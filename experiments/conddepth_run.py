@@ -43,8 +43,10 @@ def main(argv):
     params = [p for p in model.parameters() if p.requires_grad]
     evals, gnorms, train_stats, t0 = [], [], [], time.time()
 
+    ev_cfg = dataclasses.replace(cfg, seed=1337)  # the same val batches for every seed and recipe (paired)
+
     def evaluate(it):
-        ev = common.estimate_loss(model, va, meta, cfg, device, "val")
+        ev = common.estimate_loss(model, va, meta, ev_cfg, device, "val")
         evals.append({"step": it, **ev})
         print(f"step {it}: val {ev['loss']:.4f} full {ev['full_ratio']:.3f} p {ev['gate_prob']:.3f} "
               f"l2 {ev.get('qf_qc_l2', float('nan')):.4f} ({time.time() - t0:.0f}s)", flush=True)
@@ -69,19 +71,19 @@ def main(argv):
 
     # inference modes at the end: top-k (non-causal, the paper), its sparse execution, causal thresholds
     final = {"topk": evals[-1]["loss"]}
-    final["topk_sparse"] = common.estimate_loss(model, va, meta, cfg, device, "val", sparse=True)["loss"]
+    final["topk_sparse"] = common.estimate_loss(model, va, meta, ev_cfg, device, "val", sparse=True)["loss"]
     calib = [common.get_batch(tr, meta, cfg.batch_size, cfg.block_size, np.random.default_rng([cfg.seed, 7, k]), device)[0]
              for k in range(10)]
     thr = model.calibrate_thresholds(calib)
     model.mode = "causal"
-    ev = common.estimate_loss(model, va, meta, cfg, device, "val")
+    ev = common.estimate_loss(model, va, meta, ev_cfg, device, "val")
     final.update(causal=ev["loss"], causal_full_ratio=ev["full_ratio"], thresholds=thr.tolist())
     model.mode = "topk"
     mean = lambda k: float(np.mean([s[k] for s in train_stats if k in s])) if any(k in s for s in train_stats) else None
     label = [s for s in train_stats if s.get("label_step")]
     res = {"config": dataclasses.asdict(cfg), "argv": argv, "evals": evals, "final": final,
-           "grad_norm_mean": float(np.mean(gnorms)), "grad_norm": gnorms[::10],
-           "train_means": {k: mean(k) for k in train_stats[0]},
+           "grad_norm_mean": float(np.mean(gnorms)) if gnorms else None, "grad_norm": gnorms[::10],
+           "train_means": {k: mean(k) for k in (train_stats[0] if train_stats else {})},
            "util_on_label_steps": float(np.mean([s["util"] for s in label])) if label else None,
            "rank_on_label_steps": float(np.mean([s["rank"] for s in label])) if label else None,
            "train_time_s": train_time, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -91,7 +93,7 @@ def main(argv):
         json.dump(res, f, indent=1)
     os.replace(out_json + ".tmp", out_json)
     print(f"done: {out_json} topk {final['topk']:.4f} sparse {final['topk_sparse']:.4f} causal {final['causal']:.4f} "
-          f"grad {res['grad_norm_mean']:.3g} time {train_time:.0f}s", flush=True)
+          f"grad {res['grad_norm_mean']} time {train_time:.0f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+#!/bin/bash
+# conddepth reproduction at CPU scale (arXiv:2604.17228): controller-only runs from a dense GPT.
+#   nohup /work/bin/cpujob bash experiments/conddepth.sh > /work/runs/conddepth/all.log 2>&1 &
+# One cpujob slot (1 thread) for the whole chain. Results: /work/runs/conddepth/*.json, summarised by
+# experiments/conddepth_summary.py into results/conddepth.md tables.
+set -e
+cd "$(dirname "$0")/.."
+R=${R:-/work/runs/conddepth}
+mkdir -p $R
+[ -f $R/dense.pt ] || cp /work/runs/gpt-default/ckpt.pt $R/dense.pt   # the lead's 6×192 GPT, ctx 128, 2000 iters
+SEEDS=${SEEDS:-"42 123 7"}
+# 300 controller steps of 16 × 64 tokens (paper: 20k steps of 16 × 256); labels from step 20 every 5
+COMMON="--init_from=$R/dense.pt --ctx=64 --batch_size=16 --max_iters=300 --warmup_iters=30 --learning_rate=1e-3 \
+ --min_lr=1e-5 --weight_decay=0.01 --grad_clip=1.0 --eval_interval=25 --eval_iters=10 --label_start=20 --label_every=5"
+
+run() {  # run NAME [flags...]; skips runs already done
+  local name=$1; shift
+  [ -f $R/$name.json ] && { echo "skip $name"; return; }
+  echo "== $name $* ($(date -u +%H:%M:%S))"
+  python experiments/conddepth_run.py $COMMON "$@" --out_json=$R/$name.json > $R/$name.log 2>&1
+  tail -1 $R/$name.log
+}
+
+# reference: the dense model itself (ρ = 1: every token full), same val batches
+run dense-rho1 --rho=1.0 --max_iters=0 --recipe=A3-G1
+# pilots (seed 0, not a main seed): they fix the hit thresholds before the main runs, like the paper's pilot
+run pilot-G1 --recipe=G1 --seed=0
+run pilot-G3 --recipe=G3 --seed=0
+python experiments/conddepth_summary.py --thresholds $R
+# priority order (the CPU budget may end the chain early): the 2×2 core matrix and A1/A2 on all seeds, A4 last
+for s in $SEEDS; do
+  for r in G1 G3 A3-G1 A3-G3 A1 A2; do
+    run $r-s$s --recipe=$r --seed=$s
+  done
+done
+for s in ${A4_SEEDS:-42}; do
+  for r in A4-0.25 A4-2; do
+    run $r-s$s --recipe=$r --seed=$s
+  done
+done
+python bench.py conddepth --ckpt=$R/dense.pt --json=$R/bench.json | tee $R/bench.log
+python experiments/conddepth_summary.py $R > $R/summary.md
+echo "all done $(date -u +%H:%M:%S)"
