@@ -291,7 +291,7 @@ def balance_loss(probs, hard):
 class Model(common.LM):
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.layers = nn.ModuleList([Layer(cfg, kind) for kind in cfg.kinds])
+        self.blocks = nn.ModuleList([Layer(cfg, kind) for kind in cfg.kinds])
         self.routed = [i for i, kind in enumerate(cfg.kinds) if kind == "R"]
         if self.routed:  # one router after layer 0 for every routed layer (parallel routing, §2.2)
             self.ln_r = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -299,7 +299,7 @@ class Model(common.LM):
         self.tau = cfg.tau_start
         self.forced_route = None  # (B, T, n_routed) bool, True = softmax: benchmarks/tests force decisions
         self.init_weights()
-        for layer in self.layers:
+        for layer in self.blocks:
             if hasattr(layer, "gdn"):
                 layer.gdn.reset_gdn_parameters()
 
@@ -327,14 +327,14 @@ class Model(common.LM):
     def forward(self, idx, targets=None, sparse=False, caches=None):
         if sparse and self.training:
             raise NanorouteError("sparse=True is the inference path: call model.eval() first")
-        x = self.layers[0](self.embed(idx), cache=None if caches is None else caches[0])  # (B, T, C)
+        x = self.blocks[0](self.embed(idx), cache=None if caches is None else caches[0])  # (B, T, C)
         stats = {}
         if self.routed:
             y, probs, hard = self.route(x)                                          # (B, T, nR, 2)
             # sparse: one host sync for all routed layers at once (the router decides them all after layer 0)
             n_soft = hard[..., 1].sum(1).amax(0).long().tolist() if sparse else [None] * len(self.routed)
         r = 0
-        for i, layer in enumerate(self.layers[1:], start=1):
+        for i, layer in enumerate(self.blocks[1:], start=1):
             if layer.kind == "R":
                 x = layer(x, y[:, :, r], None if caches is None else caches[i], sparse_n=n_soft[r])
                 r += 1
@@ -358,7 +358,7 @@ class Model(common.LM):
 
     @torch.no_grad()
     def prefill(self, idx):
-        caches = [{} for _ in self.layers]
+        caches = [{} for _ in self.blocks]
         logits, _, _ = self(idx, caches=caches)
         return logits[:, -1], (caches, idx.size(1))
 
@@ -366,12 +366,12 @@ class Model(common.LM):
     def step(self, tok, state):
         """tok (B, 1) at position pos -> logits (B, V); updates every layer's cache in place."""
         caches, pos = state
-        x = self.layers[0].step(self.drop(self.wte(tok) + self.wpe.weight[pos]), caches[0])  # (B, 1, C)
+        x = self.blocks[0].step(self.drop(self.wte(tok) + self.wpe.weight[pos]), caches[0])  # (B, 1, C)
         if self.routed:
             z = self.router(self.ln_r(x)).view(x.size(0), 1, len(self.routed), 2)
             soft = z.argmax(-1) == 1 if self.forced_route is None else self.forced_route[:, pos:pos + 1]
         r = 0
-        for i, layer in enumerate(self.layers[1:], start=1):
+        for i, layer in enumerate(self.blocks[1:], start=1):
             x = layer.step(x, caches[i], soft[:, :, r] if layer.kind == "R" else None)
             r += layer.kind == "R"
         return self.lm_head(self.ln_f(x))[:, -1], (caches, pos + 1)

@@ -121,13 +121,13 @@ def test_config_pattern_forms():
 def test_gdn_inits_and_no_weight_decay():
     torch.manual_seed(0)
     m = H.Model(tiny(n_head=4))
-    gdn = m.layers[0].gdn
+    gdn = m.blocks[0].gdn
     A = gdn.A_log.exp()
     dt = F.softplus(gdn.dt_bias)
     assert ((A > 0) & (A <= 16)).all() and ((dt >= 1e-3 - 1e-9) & (dt <= 0.1 + 1e-9)).all()
     opt = common.make_optimizer(m, m.cfg, torch.device("cpu"))
     no_decay = {id(p) for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
-    for layer in m.layers:
+    for layer in m.blocks:
         if hasattr(layer, "gdn"):
             assert id(layer.gdn.A_log) in no_decay and id(layer.gdn.dt_bias) in no_decay
             assert id(layer.gdn.qkv_proj.weight) not in no_decay
@@ -164,7 +164,7 @@ def test_train_routing_is_hard_straight_through():
     torch.manual_seed(0)
     m = H.Model(tiny())
     x = torch.randint(0, 40, (4, 32))
-    y, probs, hard = m.route(m.layers[0](m.embed(x)))
+    y, probs, hard = m.route(m.blocks[0](m.embed(x)))
     assert torch.equal(y.detach(), hard) and set(hard.unique().tolist()) == {0.0, 1.0}
     assert y.requires_grad and torch.allclose(probs.sum(-1), torch.ones(()))
     _, loss, stats = m(x, x)
@@ -182,7 +182,7 @@ def test_gradients_reach_the_router(which):
     _, loss, stats = m(x, x)
     (loss if which == "lm" else loss - stats["lm_loss"]).backward()
     assert m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0
-    assert m.layers[0].gdn.A_log.grad is not None  # layer 0 feeds the router
+    assert m.blocks[0].gdn.A_log.grad is not None  # layer 0 feeds the router
 
 
 def test_eval_routing_is_deterministic_argmax():
@@ -192,7 +192,7 @@ def test_eval_routing_is_deterministic_argmax():
     a, _, sa = m(x, x)
     b, _, sb = m(x, x)
     assert torch.equal(a, b) and sa["gdn_frac_l1"] == sb["gdn_frac_l1"]
-    h0 = m.layers[0](m.embed(x))
+    h0 = m.blocks[0](m.embed(x))
     z = m.router(m.ln_r(h0)).view(2, 32, 2, 2)
     assert torch.isclose(sa["gdn_frac_l1"], (z[:, :, 0].argmax(-1) == 0).float().mean())
 
@@ -209,7 +209,7 @@ def test_temperature_schedule():
 def routed_counts(m, x):
     m.eval()
     with torch.no_grad():
-        _, _, hard = m.route(m.layers[0](m.embed(x)))
+        _, _, hard = m.route(m.blocks[0](m.embed(x)))
     return hard[..., 1].sum(1)  # (B, nR) tokens routed to softmax per row
 
 
@@ -302,9 +302,8 @@ def test_all_softmax_pattern_loads_dense_gpt_weights():
     torch.manual_seed(0)
     cfg = tiny(pattern="S S S S")
     gpt = common.Model(common.Config(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=40)).eval()
-    sd = {k.replace("blocks.", "layers."): v for k, v in gpt.state_dict().items()}
     m = H.Model(cfg).eval()
-    m.load_state_dict(sd, strict=True)
+    m.load_state_dict(gpt.state_dict(), strict=True)  # same names as common.Model: --init_from works
     x = torch.randint(0, 40, (2, 32))
     assert torch.allclose(m(x)[0], gpt(x)[0], atol=1e-6)
 
