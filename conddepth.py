@@ -241,7 +241,7 @@ class Model(common.LM):
         k = budget_k(cfg.rho, T)
         causal = self.mode == "causal" and not self.training
         zero = x.new_zeros(())
-        us, ps, masks, branches, qs = [], [], [], [], []
+        us, ps, masks, branches = [], [], [], []
         jepa, l2, cos = zero, zero, zero
         for j, block in enumerate(self.blocks[L - C:]):
             a = x + block.attn_delta(x)                              # (B, T, d), eq. (1)
@@ -255,7 +255,7 @@ class Model(common.LM):
             h_full = a + block.ffn_delta(a)                          # eq. (2)
             h_cheap = a + self.cheap[j](a)                           # eq. (3)
             if self.training:
-                m_st = ((m.to(p.dtype) - p).detach() + p)[..., None]     # (B, T, 1), eq. (8)
+                m_st = ((m.to(p.dtype) - p).detach() + p)[..., None]  # (B, T, 1), eq. (8)
                 x = m_st * h_full + (1 - m_st) * h_cheap             # eq. (9)
             else:
                 x = torch.where(m[..., None], h_full, h_cheap)       # eq. (4), hard
