@@ -7,17 +7,19 @@ cd "$(dirname "$0")/.."
 JOB=${CPUJOB-/work/bin/cpujob}
 OUT=${OUT-out/tsa}
 LOG=${LOG-/work/runs/tsa}
-ITERS=${ITERS-1000}
+ITERS=${ITERS-600}
 mkdir -p "$OUT" "$LOG"
 M="--dataset shakespeare --n_layer=4 --n_head=4 --n_embd=128 --block_size=128 --batch_size=16 --max_iters=$ITERS
    --warmup_iters=100 --learning_rate=2e-3 --min_lr=1e-4 --eval_interval=$ITERS --eval_iters=10 --log_interval=100"
 
-run() {  # run NAME ARGS...: train once (skipped if the run already finished)
+run() {  # run NAME ARGS...: train, then the final eval (tsa_eval.py, 30 fixed val batches), in one CPU slot
   local name=$1; shift
   if [ -f "$OUT/$name/done" ]; then echo "skip $name"; return; fi
   echo "== $name $(date -u +%T)"
-  $JOB python train.py "$@" --out_dir="$OUT/$name" > "$LOG/$name.log" 2>&1 && touch "$OUT/$name/done"
-  tail -n 3 "$LOG/$name.log" | head -n 1
+  $JOB bash -c "python train.py $* --out_dir=$OUT/$name > $LOG/$name.log 2>&1 && \
+      python experiments/tsa_eval.py $OUT/$name --eval_iters=30 --out $LOG/eval.jsonl >> $LOG/$name.log 2>&1" \
+    && touch "$OUT/$name/done"
+  grep "done in" "$LOG/$name.log"
 }
 
 # 1. dense vs TSA (λ = 0.001, the paper's default, and λ = 0.05, its Pareto point), 2 seeds each
@@ -43,16 +45,9 @@ for task in copy sort; do
   run ${task}_dense --model gpt --dataset $task $T
   run ${task}_tsa   --model tsa --dataset $task $T --lam=0.001
 done
-# 6. final evaluation (50 fixed val batches), routing pictures, benchmark with trained routers
-runs=""
-for r in dense_s1 dense_s2 lam0.001_s1 lam0.001_s2 lam0.05_s1 lam0.05_s2 lam0_s1 lam0.01_s1 lam0.1_s1 \
-         early_exit_s1 hardft_lam0.05_s1 hardft_lam0.001_s1 copy_dense copy_tsa sort_dense sort_tsa; do
-  [ -f "$OUT/$r/done" ] && runs="$runs $OUT/$r"
-done
-rm -f "$LOG/eval.jsonl"
-$JOB python experiments/tsa_eval.py $runs --out "$LOG/eval.jsonl" > "$LOG/eval.log" 2>&1
+# 6. routing pictures (one forward each) and the benchmark with trained routers
 for r in lam0.05_s1 lam0.001_s1 hardft_lam0.05_s1; do
   [ -f "$OUT/$r/done" ] && python tsa.py picture "$OUT/$r" > "$LOG/picture_$r.txt" 2>&1
 done
-$JOB python bench.py tsa --repeats 3 --ckpt "$OUT/lam0.05_s1/ckpt.pt" --json "$LOG/bench_ckpt.json" > "$LOG/bench_ckpt.log" 2>&1
+$JOB python bench.py tsa --repeats 5 --ckpt "$OUT/lam0.05_s1/ckpt.pt" --json "$LOG/bench_ckpt.json" > "$LOG/bench_ckpt.log" 2>&1
 echo "all done $(date -u +%T)"
