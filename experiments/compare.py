@@ -254,6 +254,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--table-only", action="store_true")
     p.add_argument("--runs", default="", help="comma-separated subset of run names")
+    p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="e.g. 1 or 2: one process per seed fills both cores")
     p.add_argument("--quick", action="store_true", help="a few iterations per run: checks the pipeline only")
     args = p.parse_args(argv)
     rec_dir = os.path.join(args.results, "compare")
@@ -261,7 +262,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     names = args.runs.split(",") if args.runs else list(RUNS)
     if not args.table_only:
-        for seed in SEEDS:
+        for seed in map(int, args.seeds.split(",")):
             train(REF, seed, args.out, args.quick)
             for name in names:
                 path = os.path.join(rec_dir, f"{name}-s{seed}.json")
