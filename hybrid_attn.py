@@ -23,6 +23,10 @@ Switch balance loss per routed layer (N = 2 mixers):  L_bal = N·Σ_i f_i·P_i  
 Temperature schedule (the paper does not give one): τ(it) = τ_start·(τ_end/τ_start)^(it/max_iters),
 geometric from 1.0 to 0.5. With hard straight-through the forward pass does not depend on τ (argmax of
 z+γ is τ-free); τ only sharpens the surrogate gradient.
+Inference: eval = hard routing computed densely (both mixers on every token, one kept). sparse=True: in
+routed layers softmax attention runs only for the query tokens routed to it (K/V of every token are still
+projected: in training every token's K/V was visible), GDN consumes every token (it is a recurrence); one
+host sync per forward sizes the gather for all routed layers. generate(): GDN state + conv tail + KV cache.
 """
 import math
 from dataclasses import dataclass
