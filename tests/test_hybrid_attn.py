@@ -15,6 +15,15 @@ from common import NanorouteError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster, and far faster on a shared, oversubscribed machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def gdr_inputs(B=2, Hh=3, T=37, K=8, V=6, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
@@ -329,9 +338,10 @@ def test_cli_smoke(data_dir, tmp_path):
     cmd = [sys.executable, "train.py", "--model", "hybrid", "--dataset", "shakespeare", "--max_iters=2",
            "--eval_interval=2", "--eval_iters=1", "--batch_size=2", "--block_size=32", "--n_embd=32",
            "--n_head=2", f"--data_dir={data_dir}", f"--out_dir={out}"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "val_gdn_frac_l1" in (out / "metrics.jsonl").read_text()
     bad = subprocess.run(cmd[:-2] + ["--pattern=G X R S", f"--data_dir={data_dir}", f"--out_dir={out}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown layer" in bad.stderr
