@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 R=${R:-/work/runs/conddepth}
 mkdir -p $R
 [ -f $R/dense.pt ] || cp /work/runs/gpt-default/ckpt.pt $R/dense.pt   # the lead's 6×192 GPT, ctx 128, 2000 iters
-SEEDS=${SEEDS:-"42 123 7"}
+SEEDS=${SEEDS:-"42 123"}; LATE_SEEDS=${LATE_SEEDS:-"7"}   # touch $R/STOP to skip every run not yet started
 # 300 controller steps of 16 × 64 tokens (paper: 20k steps of 16 × 256); labels from step 20 every 5
 COMMON="--init_from=$R/dense.pt --ctx=64 --batch_size=16 --max_iters=300 --warmup_iters=30 --learning_rate=1e-3 \
  --min_lr=1e-5 --weight_decay=0.01 --grad_clip=1.0 --eval_interval=25 --eval_iters=10 --label_start=20 --label_every=5"
@@ -16,6 +16,7 @@ COMMON="--init_from=$R/dense.pt --ctx=64 --batch_size=16 --max_iters=300 --warmu
 run() {  # run NAME [flags...]; skips runs already done
   local name=$1; shift
   [ -f $R/$name.json ] && { echo "skip $name"; return; }
+  [ -f $R/STOP ] && { echo "stop: $name not run"; return; }
   echo "== $name $* ($(date -u +%H:%M:%S))"
   python experiments/conddepth_run.py $COMMON "$@" --out_json=$R/$name.json > $R/$name.log 2>&1
   tail -1 $R/$name.log
@@ -27,7 +28,7 @@ run dense-rho1 --rho=1.0 --max_iters=0 --recipe=A3-G1
 run pilot-G1 --recipe=G1 --seed=0
 run pilot-G3 --recipe=G3 --seed=0
 python experiments/conddepth_summary.py --thresholds $R
-# priority order (the CPU budget may end the chain early): the 2×2 core matrix and A1/A2 on all seeds, A4 last
+# priority order (the CPU budget may end the chain early): core matrix + A1/A2 on 2 seeds, A4, then seed 7
 for s in $SEEDS; do
   for r in G1 G3 A3-G1 A3-G3 A1 A2; do
     run $r-s$s --recipe=$r --seed=$s
@@ -38,6 +39,11 @@ for s in ${A4_SEEDS:-42}; do
     run $r-s$s --recipe=$r --seed=$s
   done
 done
-python bench.py conddepth --ckpt=$R/dense.pt --json=$R/bench.json | tee $R/bench.log
+for s in $LATE_SEEDS; do
+  for r in G1 G3 A3-G1 A3-G3 A1 A2; do
+    run $r-s$s --recipe=$r --seed=$s
+  done
+done
+[ -f $R/bench.json ] || python bench.py conddepth --ckpt=$R/dense.pt --repeats=5 --json=$R/bench.json | tee $R/bench.log
 python experiments/conddepth_summary.py $R > $R/summary.md
 echo "all done $(date -u +%H:%M:%S)"
