@@ -1,6 +1,6 @@
 """Summarise experiments/dtrnet.sh: final val loss, routed fractions per D layer, FLOPs ratio; and re-evaluate
 each DTRNet checkpoint with the sparse path (must equal the dense-masked eval).
-  python experiments/dtrnet_summary.py out/dtrnet_exp"""
+  python experiments/dtrnet_summary.py out/dtrnet_exp96"""
 import glob
 import json
 import os
@@ -58,4 +58,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "out/dtrnet_exp")
+    main(sys.argv[1] if len(sys.argv) > 1 else "out/dtrnet_exp96")
