@@ -19,7 +19,6 @@ itself instead of LN1(x) W_V W_O, paper A5). Inference: `model.eval()` computes 
 mask (the reference); `model(idx, sparse=True)` gathers each row's routed tokens into a padded batch and runs
 SDPA on them only; `generate` keeps a KV cache in which D layers store keys/values of routed tokens only.
 """
-import math
 from dataclasses import dataclass
 
 import torch
