@@ -323,7 +323,7 @@ class Model(common.LM):
         if not self.training:
             hard = F.one_hot(z.argmax(-1), 2).to(z)                                 # eval: argmax, no noise
             return hard, probs, hard
-        gumbel = -torch.empty_like(z).exponential_().log()                         # γ ~ Gumbel(0, 1)
+        gumbel = -torch.empty_like(z).exponential_().clamp_min(1e-20).log()       # γ ~ Gumbel(0, 1)
         soft = ((z + gumbel) / self.tau).softmax(-1)
         hard = F.one_hot(soft.argmax(-1), 2).to(z)
         return hard - soft.detach() + soft, probs, hard                            # straight-through
