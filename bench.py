@@ -228,7 +228,7 @@ def bench_dtrnet(args, device):
             fns["eval_masked"] = forward(m, x)
         t = timeit(fns, device, args.repeats, warmup=1 if not quick else 2)
         with torch.no_grad():
-            rho = m(x)[2]["frac_attn"].item()  # the fraction actually routed
+            rho = m(x, sparse=True)[2]["frac_attn"].item()  # the fraction actually routed
         ideal = 1.0 / dtrnet.flops_ratio(m.cfg, T, rho)
         meas = t["dense"] / t["sparse"]
         rows.append({"suite": "dtrnet", "what": what, "B": B, "T": T, "rho_set": rho_set, "rho": rho,
