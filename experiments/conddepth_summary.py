@@ -74,29 +74,35 @@ def main(R):
     runs = load(R)
     dense = json.load(open(os.path.join(R, "dense-rho1.json")))["evals"][0]["loss"]
     print(f"dense GPT (ρ = 1, every token full) val loss: {dense:.4f}; hit thresholds {th} (fixed from the pilots)\n")
-    print("| recipe | seeds | step-0 val | best val | end val | avg val, 1st half | avg val, all | hit "
-          + " | hit ".join(f"{t:.3f}" for t in th) + " | grad-norm | gate p | full ratio | ‖q_f−q_c‖₂ | cos | var(u) |")
-    print("|" + "---|" * (13 + len(th)))
     M = {}
-    for r in RECIPES:
-        if r not in runs:
+    for title, names in (("", RECIPES), ("\n4× longer runs (1200 steps; same schedule shape, eval every 100):\n",
+                                          ["long-" + r for r in ("G1", "G3", "A3-G1", "A3-G3")]),
+                         ("\n25% budget (ρ = 0.25), the paper's §5.6 supplement:\n", ["rho25-G1", "rho25-G3"])):
+        names = [r for r in names if r in runs]
+        if not names:
             continue
-        seeds = sorted(runs[r])
-        M[r] = {s: metrics(runs[r][s], th) for s in seeds}
-        m = list(M[r].values())
-        step0 = [runs[r][s]["evals"][0]["loss"] for s in seeds]
-        print(f"| {r} | {','.join(map(str, seeds))} | {ms(step0)} | {ms([x['best'] for x in m])} | {ms([x['end'] for x in m])} | "
-              f"{ms([x['avg_half'] for x in m])} | {ms([x['avg_all'] for x in m])} | "
-              + " | ".join(hit_str([x["hits"][i] for x in m]) for i in range(len(th)))
-              + f" | {ms([x['grad'] for x in m], '{:.3g}')} | {ms([x['gate_prob'] for x in m], '{:.3f}')} | "
-              f"{ms([x['full'] for x in m], '{:.3f}')} | {ms([x['l2'] for x in m], '{:.4f}')} | "
-              f"{ms([x['cos'] for x in m], '{:.4f}')} | {ms([x['uvar'] for x in m], '{:.3g}')} |")
+        print(title)
+        print("| recipe | seeds | step-0 val | best val | end val | avg val, 1st half | avg val, all | hit "
+              + " | hit ".join(f"{t:.4f}" for t in th) + " | grad-norm | gate p | full ratio | ‖q_f−q_c‖₂ | cos | var(u) |")
+        print("|" + "---|" * (13 + len(th)))
+        for r in names:
+            seeds = sorted(runs[r])
+            M[r] = {s: metrics(runs[r][s], th) for s in seeds}
+            m = list(M[r].values())
+            step0 = [runs[r][s]["evals"][0]["loss"] for s in seeds]
+            print(f"| {r} | {','.join(map(str, seeds))} | {ms(step0)} | {ms([x['best'] for x in m])} | "
+                  f"{ms([x['end'] for x in m])} | {ms([x['avg_half'] for x in m])} | {ms([x['avg_all'] for x in m])} | "
+                  + " | ".join(hit_str([x["hits"][i] for x in m]) for i in range(len(th)))
+                  + f" | {ms([x['grad'] for x in m], '{:.3g}')} | {ms([x['gate_prob'] for x in m], '{:.3f}')} | "
+                  f"{ms([x['full'] for x in m], '{:.3f}')} | {ms([x['l2'] for x in m], '{:.4f}')} | "
+                  f"{ms([x['cos'] for x in m], '{:.4f}')} | {ms([x['uvar'] for x in m], '{:.3g}')} |")
     print("\nA3 vs standard, per seed (best val / end val; negative = A3 better):\n")
     print("| gate | seed | standard best | A3 best | Δ best | Δ end | Δ avg all |")
     print("|---|---|---|---|---|---|---|")
-    for g in ("G1", "G3"):
-        for s in sorted(set(M.get(g, {})) & set(M.get("A3-" + g, {}))):
-            a, b = M[g][s], M["A3-" + g][s]
+    for g in ("G1", "G3", "long-G1", "long-G3"):
+        a3 = g.replace(g.split("-")[-1], "A3-" + g.split("-")[-1])
+        for s in sorted(set(M.get(g, {})) & set(M.get(a3, {}))):
+            a, b = M[g][s], M[a3][s]
             print(f"| {g} | {s} | {a['best']:.4f} | {b['best']:.4f} | {b['best'] - a['best']:+.4f} | "
                   f"{b['end'] - a['end']:+.4f} | {b['avg_all'] - a['avg_all']:+.4f} |")
     print("\nInference mode at the end of training (val loss; causal = per-layer thresholds calibrated on 10 "
@@ -112,6 +118,8 @@ def main(R):
           "infer_vs_full (paper dims) | train time s (mean) |")
     print("|---|---|---|---|---|---|")
     for r, mm in M.items():
+        if r not in RECIPES:
+            continue
         m = list(mm.values())
         pc = cd.Config(**cd.PRESETS["paper"], recipe=r)
         print(f"| {r} | {m[0]['comp']:.3f} | {m[0]['inf']:.3f} | {cd.compute_vs_full(pc):.3f} | "
