@@ -22,28 +22,30 @@ run() {  # run NAME ARGS...: train, then the final eval (tsa_eval.py, 30 fixed v
   grep "done in" "$LOG/$name.log"
 }
 
-# 1. dense vs TSA (λ = 0.001, the paper's default, and λ = 0.05, its Pareto point), 2 seeds each
-for s in 1 2; do
-  run dense_s$s       --model gpt $M --seed=$s
-  run lam0.001_s$s    --model tsa $M --seed=$s --lam=0.001
-  run lam0.05_s$s     --model tsa $M --seed=$s --lam=0.05
-done
-# 2. λ sweep (seed 1; 0.001 and 0.05 are above)
-for lam in 0 0.01 0.1; do run lam${lam}_s1 --model tsa $M --seed=1 --lam=$lam; done
-# 3. early-exit baseline (same backbone and budget), threshold sweep in the eval step
+# Order = priority (the CPU slots are shared): seed 1 core runs first, then the baselines and ablations.
+# 1. dense vs TSA (λ = 0.001, the paper's default, and λ = 0.05, its Pareto point), seed 1
+run dense_s1    --model gpt $M --seed=1
+run lam0.001_s1 --model tsa $M --seed=1 --lam=0.001
+run lam0.05_s1  --model tsa $M --seed=1 --lam=0.05
+# 2. early-exit baseline (same backbone and budget); the threshold sweep is in its eval step
 run early_exit_s1 --model tsa $M --seed=1 --variant=early_exit
+# 3. λ sweep ends (seed 1)
+for lam in 0 0.1; do run lam${lam}_s1 --model tsa $M --seed=1 --lam=$lam; done
 # 4. beyond the paper: a short straight-through hard-gate phase from the trained soft model
-for lam in 0.05; do
-  run hardft_lam${lam}_s1 --model tsa --dataset shakespeare --init_from="$OUT/lam${lam}_s1/ckpt.pt" --lam=$lam \
-      --batch_size=16 --max_iters=150 --hard_ft_iters=150 --warmup_iters=10 --learning_rate=5e-4 --min_lr=5e-5 \
-      --eval_interval=150 --eval_iters=10 --log_interval=50 --seed=1
-done
-# 5. copy vs sort (§3.1; the paper's d=128, L=6, H=4; short runs)
+run hardft_lam0.05_s1 --model tsa --dataset shakespeare --init_from="$OUT/lam0.05_s1/ckpt.pt" --lam=0.05 \
+    --batch_size=16 --max_iters=150 --hard_ft_iters=150 --warmup_iters=10 --learning_rate=5e-4 --min_lr=5e-5 \
+    --eval_interval=150 --eval_iters=10 --log_interval=50 --seed=1
+# 5. second seed of the core comparison, the middle of the λ sweep
+run dense_s2    --model gpt $M --seed=2
+run lam0.001_s2 --model tsa $M --seed=2 --lam=0.001
+run lam0.05_s2  --model tsa $M --seed=2 --lam=0.05
+run lam0.01_s1  --model tsa $M --seed=1 --lam=0.01
+# 6. copy vs sort (§3.1; the paper's d=128, L=6, H=4; short runs)
 T="--n_layer=6 --n_head=4 --n_embd=128 --batch_size=32 --max_iters=600 --warmup_iters=50 --learning_rate=1e-3
    --eval_interval=600 --eval_iters=10 --log_interval=100 --seed=1"
 for task in copy sort; do run ${task}_tsa --model tsa --dataset $task $T --lam=0.001; done
 for task in copy sort; do run ${task}_dense --model gpt --dataset $task $T; done
-# 6. routing pictures (one forward each) and the benchmark with trained routers
+# 7. routing pictures (one forward each) and the benchmark with trained routers
 for r in lam0.05_s1 lam0.001_s1 hardft_lam0.05_s1; do
   [ -f "$OUT/$r/done" ] && python tsa.py picture "$OUT/$r" > "$LOG/picture_$r.txt" 2>&1
 done
