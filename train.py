@@ -204,8 +204,8 @@ def train(cfg, module, resume=False):
             _, loss, stats = model(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+        # the pre-clipping gradient norm is logged (conddepth's grad-norm tiers); grad_clip=0 only measures
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or float("inf"))
         optimizer.step()
         lossf = loss.item()
         if not np.isfinite(lossf):
@@ -213,8 +213,8 @@ def train(cfg, module, resume=False):
         if master and it % cfg.log_interval == 0:
             dt = (time.time() - t_last) / (cfg.log_interval if it > start else 1)
             t_last = time.time()
-            log(f"iter {it}: loss {lossf:.4f}, lr {lr:.2e}, {dt * 1000:.0f} ms/iter")
-            record({"kind": "train", "step": it, "loss": lossf, "lr": lr,
+            log(f"iter {it}: loss {lossf:.4f}, lr {lr:.2e}, grad norm {grad_norm.item():.3g}, {dt * 1000:.0f} ms/iter")
+            record({"kind": "train", "step": it, "loss": lossf, "lr": lr, "grad_norm": grad_norm.item(),
                     **{k: v.item() for k, v in stats.items() if v.numel() == 1}})
     if ddp:
         torch.distributed.destroy_process_group()
