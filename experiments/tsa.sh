@@ -51,3 +51,7 @@ for r in lam0.05_s1 lam0.001_s1 hardft_lam0.05_s1; do
 done
 $JOB python bench.py tsa --repeats 5 --ckpt "$OUT/lam0.05_s1/ckpt.pt" --json "$LOG/bench_ckpt.json" > "$LOG/bench_ckpt.log" 2>&1
 echo "all done $(date -u +%T)"
+# 8. a longer pair (2.5× the tokens): how α and the dense-vs-TSA gap move with more training
+run long_dense_s1    --model gpt $M --seed=1 --max_iters=1500 --eval_interval=500
+run long_lam0.001_s1 --model tsa $M --seed=1 --lam=0.001 --max_iters=1500 --eval_interval=500
+echo "long pair done $(date -u +%T)"
