@@ -46,7 +46,7 @@ class Config:
     dropout: float = 0.0
     bias: bool = False
     # training
-    max_iters: int = 2000
+    max_iters: int = 2250
     batch_size: int = 16
     learning_rate: float = 2e-3
     min_lr: float = 1e-4
@@ -55,7 +55,7 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0
-    eval_interval: int = 250
+    eval_interval: int = 750
     eval_iters: int = 40
     log_interval: int = 50
     seed: int = 1337
