@@ -34,8 +34,9 @@ def main(path):
             out.append(f"| {k} (λ={r['lam']}) | {r['seed']} | {r['tokens']:,} | {f(d)} | {pct(r['soft_loss'])} | "
                        f"{pct(r['hard_loss_01'])} | {pct(r['hard_loss_scaled'])} | {f(r['alpha'], 3)} | "
                        f"{100 * r['tlops_saved']:.1f}% | {f(r['alpha_hard'], 3)} | {100 * r['tlops_saved_hard']:.1f}% |")
+    n = max(len(r.get("active", [])) for r in recs.values())
     out += ["", "### Per-router active fraction (soft mean 1 − p_l / hard fraction executed)", "",
-            "| run | " + " | ".join(f"r{l}" for l in range(3)) + " |", "|---|---|---|---|"]
+            "| run | " + " | ".join(f"r{l}" for l in range(n)) + " |", "|---" * (n + 1) + "|"]
     for k, r in recs.items():
         if r.get("variant") == "tsa":
             out.append(f"| {k} | " + " | ".join(f"{a:.3f} / {h:.3f}" for a, h in zip(r["active"], r["hard_active"])) + " |")
