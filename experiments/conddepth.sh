@@ -44,15 +44,15 @@ for s in $LATE_SEEDS; do
     run $r-s$s --recipe=$r --seed=$s
   done
 done
+# extra 1: 4× longer runs of the 2×2 core matrix (1200 steps, seed 42): do the 300-step orderings hold?
+for r in G3 A3-G3 G1 A3-G1; do
+  run long-$r-s42 --recipe=$r --seed=42 --max_iters=1200 --eval_interval=100
+done
 # extra 2: the paper's 25% budget supplement (G1 vs G3, 2 seeds)
 for s in 42 123; do
   for r in G1 G3; do
     run rho25-$r-s$s --recipe=$r --seed=$s --rho=0.25
   done
-done
-# extra 1: 4× longer runs of the 2×2 core matrix (1200 steps, seed 42): do the 300-step orderings hold?
-for r in G1 G3 A3-G1 A3-G3; do
-  run long-$r-s42 --recipe=$r --seed=42 --max_iters=1200 --eval_interval=100
 done
 [ -f $R/bench.json ] || python bench.py conddepth --ckpt=$R/dense.pt --repeats=5 --json=$R/bench.json | tee $R/bench.log
 python experiments/conddepth_summary.py $R > $R/summary.md
