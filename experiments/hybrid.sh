@@ -25,10 +25,12 @@ for seed in 1 2; do
   run dyn_a0 $seed --pattern="G R R S" --balance=0
   run dyn_a0.5 $seed --pattern="G R R S" --balance=0.5
 done
-# Phase 2 (one seed): the same three models at 3× the steps (1200 iters), to see whether the ranking at 400
-# iters survives once softmax attention leaves its early plateau.
+# Phase 2: the same three models at 3× the steps (1200 iters), to see whether the ranking at 400 iters
+# survives once softmax attention leaves its early plateau.
 COMMON=${COMMON/--max_iters=400 --warmup_iters=40/--max_iters=1200 --warmup_iters=100}
 COMMON=${COMMON/--eval_interval=50/--eval_interval=100}
-run long1200_dyn_a0.01 1 --pattern="G R R S" --balance=0.01
-run long1200_static_GGGS 1 --pattern="G G G S"
-run long1200_softmax_SSSS 1 --pattern="S S S S"
+for seed in 1 2; do
+  run long1200_dyn_a0.01 $seed --pattern="G R R S" --balance=0.01
+  run long1200_static_GGGS $seed --pattern="G G G S"
+  run long1200_softmax_SSSS $seed --pattern="S S S S"
+done
