@@ -3,6 +3,9 @@ import shutil
 import sys
 
 import pytest
+import torch
+
+torch.set_num_threads(1)  # tiny models: threads only add overhead, and CI machines are often shared
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
