@@ -11,13 +11,6 @@ import dtrnet
 import train
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops: thread hand-off costs more than it saves on this shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make(seed=0, dtype=torch.float64, **kw):

@@ -15,13 +15,6 @@ from common import NanorouteError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and far faster on a shared, oversubscribed machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def gdr_inputs(B=2, Hh=3, T=37, K=8, V=6, dtype=torch.float64, seed=0):
