@@ -13,13 +13,6 @@ import tsa
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second thread only adds contention on a shared 2-core machine (7× slower here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny(**kw):
