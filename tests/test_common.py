@@ -336,3 +336,12 @@ def test_bench_gpt_quick_smoke(tmp_path):
     assert {r["what"] for r in rows} == {"forward", "train_step"}
     assert all(r["speed_ratio_ours_vs_plain"] > 0 for r in rows)
     assert json.load(open(tmp_path / "b.json"))["rows"][0]["suite"] == "gpt"
+
+
+@pytest.mark.parametrize("suite", ["tsa", "dtrnet", "conddepth", "hybrid"])
+def test_bench_paper_suites_quick_smoke(suite):
+    """Every paper's benchmark runs and reports positive timings (numbers themselves go in results/)."""
+    import bench
+    rows = bench.main([suite, "--quick", "--repeats=1"])
+    assert rows and all(r["suite"] == suite for r in rows)
+    assert all(v > 0 for r in rows for k, v in r.items() if k.endswith("_ms"))
