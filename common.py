@@ -127,8 +127,8 @@ def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20):
                          f"download it yourself and place it at {dest}")
 
 
-def _write_split(path, ids, vocab):
-    arr = np.asarray(ids, dtype=np.uint16 if vocab <= 65536 else np.uint32)
+def _write_split(path, ids):
+    arr = np.asarray(ids, dtype=np.uint16)  # every vocabulary here fits (load_split reads uint16)
     arr.tofile(path + ".tmp")
     os.replace(path + ".tmp", path)
     return len(arr)
@@ -190,7 +190,7 @@ def prepare(name, data_dir=DATA_DIR, url=None):
         splits = {"train": _task_records(name, 10_000, rng), "val": _task_records(name, 1_000, rng)}
         meta.update(vocab_size=TASK_VOCAB + 3, record_len=2 * TASK_LEN + 3, unit="token")
     for split, ids in splits.items():
-        meta[f"{split}_tokens"] = _write_split(os.path.join(d, f"{split}.bin"), ids, meta["vocab_size"])
+        meta[f"{split}_tokens"] = _write_split(os.path.join(d, f"{split}.bin"), ids)
     with open(meta_path + ".tmp", "w") as f:
         json.dump(meta, f)
     os.replace(meta_path + ".tmp", meta_path)

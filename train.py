@@ -25,21 +25,20 @@ from common import NanorouteError
 
 MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "conddepth", "hybrid": "hybrid_attn"}
 FLAGS = ("model", "dataset", "preset", "resume")  # the flags that are not Config fields
-RESUME = dataclasses.make_dataclass("Flags", [("resume", bool)]).__dataclass_fields__["resume"]
 
 
-def parse_value(field, text):
-    if field.type is bool:
+def parse_value(name, typ, text):
+    if typ is bool:
         if text.lower() in ("1", "true", "yes", "on"):
             return True
         if text.lower() in ("0", "false", "no", "off"):
             return False
     else:
         try:
-            return field.type(text)
+            return typ(text)
         except ValueError:
             pass
-    raise NanorouteError(f"--{field.name} expects {field.type.__name__}, got {text!r}")
+    raise NanorouteError(f"--{name} expects {typ.__name__}, got {text!r}")
 
 
 def parse_args(argv):
@@ -65,7 +64,7 @@ def parse_args(argv):
     if dataset not in common.DATASETS:
         raise NanorouteError(f"unknown dataset {dataset!r}; choose one of {', '.join(common.DATASETS)}")
     resume = opts.pop("resume", "false")
-    resume = resume is None or parse_value(RESUME, resume)
+    resume = resume is None or parse_value("resume", bool, resume)
     values = {}
     preset = opts.pop("preset", None)
     if preset is not None:
@@ -80,7 +79,7 @@ def parse_args(argv):
             raise NanorouteError(f"unknown option --{key}; valid: --{', --'.join(list(FLAGS) + sorted(fields))}")
         if val is None and fields[key].type is not bool:
             raise NanorouteError(f"--{key} needs a value")
-        values[key] = True if val is None else parse_value(fields[key], val)
+        values[key] = True if val is None else parse_value(key, fields[key].type, val)
     values.update(model=name, dataset=dataset)
     return module.Config(**values), module, resume
 
