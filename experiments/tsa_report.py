@@ -1,6 +1,7 @@
 """Markdown tables for results/tsa.md from experiments/tsa_eval.py's JSON lines.
 
-  python experiments/tsa_report.py /work/runs/tsa/eval.jsonl
+  python experiments/tsa_report.py /work/runs/tsa/eval.jsonl         (experiments/tsa.sh)
+  python experiments/tsa_report.py out/tsa_budget/eval.jsonl        (experiments/tsa_budget.sh)
 """
 import json
 import os
@@ -16,10 +17,66 @@ def interp(sweep, alpha):
     return float("nan")
 
 
+def mean_sd(xs, n=4):
+    m = sum(xs) / len(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+    return f"{m:.{n}f} ± {sd:.{n}f}" if len(xs) > 1 else f"{m:.{n}f}"
+
+
+def budget(recs):
+    """tsa_budget.sh runs: <P|D>_<dense|lamX|hardft|densecont>_s<seed>, P = paper budget, D = default preset."""
+    out, f = [], lambda v, n=4: f"{v:.{n}f}"
+    for pre, title in (("P", "paper token budget (6×64, 5000 × 64 × 128 = 41M tokens)"),
+                       ("D", "default preset (6×192, 2250 × 16 × 128 = 4.6M tokens)")):
+        rs = {k: r for k, r in recs.items() if k.startswith(pre + "_")}
+        if not rs:
+            continue
+        dense = {r["seed"]: r["val_loss"] for k, r in rs.items() if "_dense_" in k}
+        cont = {r["seed"]: r["val_loss"] for k, r in rs.items() if "_densecont_" in k}
+        soft = {(r["lam"], r["seed"]): r for k, r in rs.items() if "_lam" in k}
+        out += [f"#### Dense vs TSA, {title}", "",
+                "| run | seed | dense val | soft val (Δ%) | hard scaled (Δ%) | hard 01 (Δ%) | soft α (TLOps saved) "
+                "| hard α (saved) |", "|" + "---|" * 8]
+        pct = lambda v, d: f"{f(v)} ({100 * (v / d - 1):+.2f}%)"
+        for k, r in sorted(rs.items(), key=lambda kr: ("_lam" not in kr[0], kr[0])):
+            if "_lam" in k:
+                d = dense.get(r["seed"], float("nan"))
+                out.append(f"| {k} (λ={r['lam']}) | {r['seed']} | {f(d)} | {pct(r['soft_loss'], d)} | "
+                           f"{pct(r['hard_loss_scaled'], d)} | {pct(r['hard_loss_01'], d)} | {f(r['alpha'], 3)} "
+                           f"({100 * r['tlops_saved']:.1f}%) | {f(r['alpha_hard'], 3)} ({100 * r['tlops_saved_hard']:.1f}%) |")
+        for lam in sorted({lam for lam, _ in soft}):
+            runs = [r for (l, _), r in soft.items() if l == lam and r["seed"] in dense]
+            if len(runs) > 1:
+                col = lambda key: mean_sd([r[key] for r in runs])
+                rel = mean_sd([100 * (r["soft_loss"] / dense[r["seed"]] - 1) for r in runs], 2)
+                relh = mean_sd([100 * (r["hard_loss_scaled"] / dense[r["seed"]] - 1) for r in runs], 2)
+                out.append(f"| mean ± sd, λ={lam} ({len(runs)} seeds) | | {mean_sd([dense[r['seed']] for r in runs])} | "
+                           f"{col('soft_loss')} ({rel} %) | {col('hard_loss_scaled')} ({relh} %) | {col('hard_loss_01')} | "
+                           f"{col('alpha')} (saved {mean_sd([100 * r['tlops_saved'] for r in runs], 1)} %) | "
+                           f"{col('alpha_hard')} (saved {mean_sd([100 * r['tlops_saved_hard'] for r in runs], 1)} %) |")
+        ft = {r["seed"]: r for k, r in rs.items() if "_hardft_" in k}
+        if ft:
+            out += ["", f"Straight-through hard-gate phase, {title}: `hardft` = the λ run continued with hard gates "
+                    f"({next(iter(ft.values()))['iter']} iterations, lr 3e-4→3e-5); `densecont` = the dense run "
+                    "continued the same way (control for the extra training).", "",
+                    "| seed | soft model: soft val | hardft: hard scaled val (vs soft model's soft) | hardft: hard 01 "
+                    "| hardft: soft val | hardft hard α (saved) | dense | densecont | hardft hard vs densecont |",
+                    "|" + "---|" * 9]
+            for sd_, r in sorted(ft.items()):
+                s0 = next((q for (l, s), q in soft.items() if s == sd_ and l == r["lam"]), None)
+                ref = s0["soft_loss"] if s0 else float("nan")
+                c = cont.get(sd_, float("nan"))
+                out.append(f"| {sd_} | {f(ref)} | {pct(r['hard_loss_scaled'], ref)} | {f(r['hard_loss_01'])} | "
+                           f"{f(r['soft_loss'])} | {f(r['alpha_hard'], 3)} ({100 * r['tlops_saved_hard']:.1f}%) | "
+                           f"{f(dense.get(sd_, float('nan')))} | {f(c)} | {100 * (r['hard_loss_scaled'] / c - 1):+.2f}% |")
+        out.append("")
+    return out
+
+
 def main(path):
     recs = {os.path.basename(r["run"]): r for r in map(json.loads, open(path))}
     f = lambda v, n=4: f"{v:.{n}f}"
-    out = []
+    out = budget(recs)
     dense = {r["seed"]: r["val_loss"] for k, r in recs.items() if k.startswith("dense_")}
     out += ["### Dense vs TSA (Shakespeare char, 4×128)", "",
             "| run | seed | tokens | val loss dense | soft val (Δ%) | hard 01 val (Δ%) | hard scaled val (Δ%) "
