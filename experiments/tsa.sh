@@ -49,9 +49,18 @@ for task in copy sort; do run ${task}_dense --model gpt --dataset $task $T; done
 for r in lam0.05_s1 lam0.001_s1 hardft_lam0.05_s1; do
   [ -f "$OUT/$r/done" ] && python tsa.py picture "$OUT/$r" > "$LOG/picture_$r.txt" 2>&1
 done
-$JOB python bench.py tsa --repeats 5 --ckpt "$OUT/lam0.05_s1/ckpt.pt" --json "$LOG/bench_ckpt.json" > "$LOG/bench_ckpt.log" 2>&1
+[ -f "$LOG/bench_ckpt.json" ] || $JOB python bench.py tsa --repeats 5 --ckpt "$OUT/lam0.05_s1/ckpt.pt" --json "$LOG/bench_ckpt.json" > "$LOG/bench_ckpt.log" 2>&1
 echo "all done $(date -u +%T)"
 # 8. a longer pair (2.5× the tokens): how α and the dense-vs-TSA gap move with more training
 run long_dense_s1    --model gpt $M --seed=1 --max_iters=1500 --eval_interval=500
 run long_lam0.001_s1 --model tsa $M --seed=1 --lam=0.001 --max_iters=1500 --eval_interval=500
 echo "long pair done $(date -u +%T)"
+# 9. second seed for the single-seed rows above (λ sweep, early exit, hard-gate phase, copy/sort)
+for lam in 0 0.01 0.1; do run lam${lam}_s2 --model tsa $M --seed=2 --lam=$lam; done
+run early_exit_s2 --model tsa $M --seed=2 --variant=early_exit
+run hardft_lam0.05_s2 --model tsa --dataset shakespeare --init_from="$OUT/lam0.05_s2/ckpt.pt" --lam=0.05 \
+    --batch_size=16 --max_iters=150 --hard_ft_iters=150 --warmup_iters=10 --learning_rate=5e-4 --min_lr=5e-5 \
+    --eval_interval=150 --eval_iters=10 --log_interval=50 --seed=2
+for task in copy sort; do run ${task}_tsa_s2 --model tsa --dataset $task $T --seed=2 --lam=0.001; done
+for task in copy sort; do run ${task}_dense_s2 --model gpt --dataset $task $T --seed=2; done
+echo "second seed done $(date -u +%T)"

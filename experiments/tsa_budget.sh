@@ -42,9 +42,15 @@ run P_dense_s$S   --model gpt $P
 run P_lam0.001_s$S --model tsa $P --lam=0.001
 run D_dense_s$S   --model gpt $D
 run D_lam0.001_s$S --model tsa $D --lam=0.001
-ft P_hardft_s$S    P_lam0.001_s$S 500 tsa --batch_size=64 --lam=0.001 --hard_ft_iters=500
+# hard-gate phases: λ=0.001 as trained, and larger λ to push p over 0.5 (the soft routers at λ=0.001 scale
+# tokens by ~1 − p ≈ 0.7–0.8 but hardly ever halt one)
+for lam in 0.001 0.01 0.05; do
+  ft P_hardft_lam${lam}_s$S P_lam0.001_s$S 500 tsa --batch_size=64 --lam=$lam --hard_ft_iters=500
+done
 ft P_densecont_s$S P_dense_s$S    500 gpt --batch_size=64
-ft D_hardft_s$S    D_lam0.001_s$S 250 tsa --lam=0.001 --hard_ft_iters=250
+for lam in 0.001 0.01; do
+  ft D_hardft_lam${lam}_s$S D_lam0.001_s$S 250 tsa --lam=$lam --hard_ft_iters=250
+done
 ft D_densecont_s$S D_dense_s$S    250 gpt
 run D_lam0_s$S     --model tsa $D --lam=0
 echo "all done $(date -u +%T)"

@@ -33,13 +33,13 @@ def budget(recs):
             continue
         dense = {r["seed"]: r["val_loss"] for k, r in rs.items() if "_dense_" in k}
         cont = {r["seed"]: r["val_loss"] for k, r in rs.items() if "_densecont_" in k}
-        soft = {(r["lam"], r["seed"]): r for k, r in rs.items() if "_lam" in k}
+        soft = {(r["lam"], r["seed"]): r for k, r in rs.items() if "_lam" in k and "_hardft_" not in k}
         out += [f"#### Dense vs TSA, {title}", "",
                 "| run | seed | dense val | soft val (Δ%) | hard scaled (Δ%) | hard 01 (Δ%) | soft α (TLOps saved) "
                 "| hard α (saved) |", "|" + "---|" * 8]
         pct = lambda v, d: f"{f(v)} ({100 * (v / d - 1):+.2f}%)"
-        for k, r in sorted(rs.items(), key=lambda kr: ("_lam" not in kr[0], kr[0])):
-            if "_lam" in k:
+        for k, r in sorted(rs.items(), key=lambda kr: ("_hardft_" in kr[0] or "_lam" not in kr[0], kr[0])):
+            if "_lam" in k and "_hardft_" not in k:
                 d = dense.get(r["seed"], float("nan"))
                 out.append(f"| {k} (λ={r['lam']}) | {r['seed']} | {f(d)} | {pct(r['soft_loss'], d)} | "
                            f"{pct(r['hard_loss_scaled'], d)} | {pct(r['hard_loss_01'], d)} | {f(r['alpha'], 3)} "
@@ -54,21 +54,21 @@ def budget(recs):
                            f"{col('soft_loss')} ({rel} %) | {col('hard_loss_scaled')} ({relh} %) | {col('hard_loss_01')} | "
                            f"{col('alpha')} (saved {mean_sd([100 * r['tlops_saved'] for r in runs], 1)} %) | "
                            f"{col('alpha_hard')} (saved {mean_sd([100 * r['tlops_saved_hard'] for r in runs], 1)} %) |")
-        ft = {r["seed"]: r for k, r in rs.items() if "_hardft_" in k}
+        ft = {k: r for k, r in rs.items() if "_hardft_" in k}
         if ft:
-            out += ["", f"Straight-through hard-gate phase, {title}: `hardft` = the λ run continued with hard gates "
-                    f"({next(iter(ft.values()))['iter']} iterations, lr 3e-4→3e-5); `densecont` = the dense run "
-                    "continued the same way (control for the extra training).", "",
-                    "| seed | soft model: soft val | hardft: hard scaled val (vs soft model's soft) | hardft: hard 01 "
-                    "| hardft: soft val | hardft hard α (saved) | dense | densecont | hardft hard vs densecont |",
-                    "|" + "---|" * 9]
-            for sd_, r in sorted(ft.items()):
-                s0 = next((q for (l, s), q in soft.items() if s == sd_ and l == r["lam"]), None)
+            out += ["", f"Straight-through hard-gate phase, {title}: `hardft_lamX` = the λ=0.001 run continued with "
+                    f"hard gates and depth weight λ=X ({next(iter(ft.values()))['iter']} iterations, lr 3e-4→3e-5); "
+                    "`densecont` = the dense run continued the same way (control for the extra training).", "",
+                    "| run | soft model (λ=0.001): soft val, soft α | hard scaled val (vs soft model's soft) "
+                    "| hard 01 val | soft val after | hard α (TLOps saved) | densecont | hard scaled vs densecont |",
+                    "|" + "---|" * 8]
+            for k, r in sorted(ft.items(), key=lambda kr: (kr[1]["seed"], kr[1]["lam"])):
+                s0 = soft.get((0.001, r["seed"]))
                 ref = s0["soft_loss"] if s0 else float("nan")
-                c = cont.get(sd_, float("nan"))
-                out.append(f"| {sd_} | {f(ref)} | {pct(r['hard_loss_scaled'], ref)} | {f(r['hard_loss_01'])} | "
-                           f"{f(r['soft_loss'])} | {f(r['alpha_hard'], 3)} ({100 * r['tlops_saved_hard']:.1f}%) | "
-                           f"{f(dense.get(sd_, float('nan')))} | {f(c)} | {100 * (r['hard_loss_scaled'] / c - 1):+.2f}% |")
+                c = cont.get(r["seed"], float("nan"))
+                out.append(f"| {k} | {f(ref)}, {f(s0['alpha'], 3) if s0 else '?'} | {pct(r['hard_loss_scaled'], ref)} | "
+                           f"{f(r['hard_loss_01'])} | {f(r['soft_loss'])} | {f(r['alpha_hard'], 3)} "
+                           f"({100 * r['tlops_saved_hard']:.1f}%) | {f(c)} | {100 * (r['hard_loss_scaled'] / c - 1):+.2f}% |")
         out.append("")
     return out
 
