@@ -54,3 +54,6 @@ done
 ft D_densecont_s$S D_dense_s$S    250 gpt
 run D_lam0_s$S     --model tsa $D --lam=0
 echo "all done $(date -u +%T)"
+# added last: does a larger λ make the routers halt at the paper's budget? (paper: λ=0.05 → α=0.395)
+run P_lam0.05_s$S  --model tsa $P --lam=0.05
+echo "lam0.05 done $(date -u +%T)"
