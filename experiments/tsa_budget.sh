@@ -1,6 +1,7 @@
 #!/bin/bash
-# TSA at the paper's token budget and at the default preset, one seed per call (results/tsa.md §2b).
-# Run one process per seed, one thread each, in parallel on a 2-core machine, from the repo root:
+# TSA at the paper's token budget and at the default preset, one seed per call (results/tsa.md §1).
+# Run one process per seed, one thread each, in parallel on a 2-core machine, from the repo root
+# (after `mkdir -p out/tsa_budget`):
 #   OMP_NUM_THREADS=1 nohup bash experiments/tsa_budget.sh 1 > out/tsa_budget/s1.log 2>&1 &
 #   OMP_NUM_THREADS=1 nohup bash experiments/tsa_budget.sh 2 > out/tsa_budget/s2.log 2>&1 &
 # then  python experiments/tsa_report.py out/tsa_budget/eval.jsonl  for the tables. Resumable: a finished
