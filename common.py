@@ -436,11 +436,34 @@ def pick_device(name="auto"):
     return device
 
 
-def autocast(device):
-    """bf16 autocast on CUDA when the GPU supports it; fp32 on CPU and MPS (bf16 there is slow or partial)."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
+# Numerics policy (every model file follows it; tests/conftest.py runs each contract under it):
+#   - parameters and the residual stream x are fp32; autocast (bf16 on CUDA, fp16 where bf16 is
+#     unsupported, bf16 on CPU when asked) runs the matmuls in low precision, so block deltas arrive in
+#     bf16/fp16 and are cast to x's dtype where they are added (`x + g * delta.to(x.dtype)`, and
+#     `index_add(0, idx, delta.to(x.dtype))` on the sparse paths, which do not promote);
+#   - routers compute their logits/probabilities in fp32 (`.float()` before σ / softmax / top-k), so a
+#     decision at the threshold is the same in every dtype the rest of the model runs in;
+#   - recurrent state (Gated DeltaNet) is accumulated in fp32 under autocast too;
+#   - KV caches store K/V in the dtype the projection produced (bf16 under autocast), allocated lazily
+#     from the first K/V they receive.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def default_dtype(device):
+    """What training uses on this device: bf16 on CUDA (fp16 where bf16 is unsupported), fp32 elsewhere."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+def autocast(device, dtype=None):
+    """The autocast context for a device and a dtype name ('fp32' = none). dtype None: default_dtype."""
+    dtype = dtype or default_dtype(device)
+    if dtype not in DTYPES:
+        raise NanorouteError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[dtype])
 
 
 def sync(device):

@@ -24,3 +24,44 @@ def data_dir(tmp_path_factory):
     os.makedirs(d / "shakespeare")
     shutil.copy(src, d / "shakespeare" / "input.txt")
     return str(d)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The device × dtype matrix every model contract runs on (issue 16): CPU fp32 and CPU bf16 autocast
+# always; CUDA (its training dtype) and MPS (fp32) when present, skipped visibly otherwise. Tests take
+# the `dev` fixture and never depend on which device "auto" would pick.
+
+class Dev:
+    def __init__(self, device, dtype):
+        self.device, self.dtype = torch.device(device), dtype
+        self.low = dtype != "fp32"
+
+    def autocast(self):
+        import common
+        return common.autocast(self.device, self.dtype)
+
+    def tol(self):
+        """(atol, rtol) for logits compared between two paths of the same model in this dtype."""
+        return (5e-2, 5e-2) if self.low else (1e-4, 1e-4)
+
+    def __repr__(self):
+        return f"{self.device.type}-{self.dtype}"
+
+
+def _dev_params():
+    import common
+    out = [pytest.param(("cpu", "fp32"), id="cpu-fp32"), pytest.param(("cpu", "bf16"), id="cpu-bf16")]
+    has_cuda = torch.cuda.is_available()
+    cuda_dt = common.default_dtype(torch.device("cuda")) if has_cuda else "bf16"
+    out.append(pytest.param(("cuda", cuda_dt), id=f"cuda-{cuda_dt}",
+                            marks=pytest.mark.skipif(not has_cuda, reason="no CUDA device here")))
+    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    out.append(pytest.param(("mps", "fp32"), id="mps-fp32",
+                            marks=pytest.mark.skipif(not has_mps, reason="no MPS device here")))
+    return out
+
+
+@pytest.fixture(params=_dev_params())
+def dev(request):
+    """One (device, dtype) of the matrix: dev.device, dev.dtype, dev.autocast(), dev.tol()."""
+    return Dev(*request.param)
