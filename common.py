@@ -8,11 +8,14 @@ nanoroute/common.py: the small shared core every paper file imports.
              GPT baseline (`--model gpt`): learned positions, tied embeddings, GPT-3 residual init.
 3. compute   TLOps savings Δ (TSA eq. 7) and forward FLOPs per token of each block component.
 4. plumbing  device/autocast/sync, AdamW groups, atomic checkpoints, eval loop, sampling.
+5. picture   one renderer (terminal + self-contained HTML) for every model's routing_map.
 
 Every model file follows one contract: a `Config` dataclass and a `Model` whose
-`forward(idx, targets=None, sparse=False)` returns `(logits, loss, stats)`.
+`forward(idx, targets=None, sparse=False)` returns `(logits, loss, stats)`; cached decoding through
+`prefill(idx)` / `step(tok, state)` (used by LM.generate); and routers define `routing_map(idx)`.
 """
 import hashlib
+import html
 import json
 import math
 import os
@@ -59,6 +62,7 @@ class Config:
     eval_iters: int = 40
     log_interval: int = 50
     seed: int = 1337
+    eval_seed: int = -1        # seed of the fixed evaluation batches (-1: the run's seed)
     device: str = "auto"
     compile: bool = False
     out_dir: str = ""          # default: out/<model>-<dataset>
@@ -76,9 +80,25 @@ class Config:
                 raise NanorouteError(f"{f.name} must be {f.type.__name__}, got {v!r}")
         if self.n_embd % self.n_head:
             raise NanorouteError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size", "eval_iters"):
-            if getattr(self, name) < 1:
-                raise NanorouteError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for f in fields(self):  # every numeric field in one place: finite, and in its range
+            v = getattr(self, f.name)
+            if f.type is float and not math.isfinite(v):
+                raise NanorouteError(f"{f.name} must be a finite number, got {v}")
+        at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size", "eval_iters",
+                        "eval_interval", "log_interval"),
+                    0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr"),
+                    -1: ("eval_seed",)}
+        for low, names in at_least.items():
+            for name in names:
+                if getattr(self, name) < low:
+                    raise NanorouteError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise NanorouteError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.min_lr > self.learning_rate:
+            raise NanorouteError(f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise NanorouteError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise NanorouteError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -165,7 +185,11 @@ def prepare(name, data_dir=DATA_DIR, url=None):
                     if os.path.exists(p)), None)
         if src is None:
             src = download(url or SHAKESPEARE_URL, os.path.join(d, "input.txt"), SHAKESPEARE_SHA256)
-        text = open(src, encoding="utf-8").read()
+        try:
+            text = open(src, encoding="utf-8").read()
+        except UnicodeDecodeError as e:
+            raise NanorouteError(f"{src} is not UTF-8 text ({e.reason} at byte {e.start}); replace it with "
+                                 "Tiny Shakespeare's input.txt")
         n = int(0.9 * len(text))  # nanoGPT's 90/10 split, so val losses compare with its 1.4697
         if name == "shakespeare":
             chars = sorted(set(text))
@@ -281,11 +305,12 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # 3 × (B, T, C)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
-    def attend(self, q, k, v, attn_mask=None):
-        """Causal SDPA, or an explicit boolean mask (True = may attend); returns merged heads (B, T, C)."""
+    def attend(self, q, k, v, attn_mask=None, causal=True):
+        """Causal SDPA, or an explicit boolean mask (True = may attend), or causal=False: every query sees
+        every key (one new query against a cache of its past). Returns merged heads (B, T, C)."""
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
-                                           is_causal=attn_mask is None)  # (B, nh, T, hs)
+                                           is_causal=causal and attn_mask is None)  # (B, nh, T, hs)
         B, nh, T, hs = y.shape
         return y.transpose(1, 2).reshape(B, T, nh * hs)
 
@@ -368,12 +393,38 @@ class LM(nn.Module):
         return n - self.wpe.weight.numel()  # nanoGPT's convention: position embeddings not counted
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sampling without a cache (models with a cache override this)."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
+        """Sample max_new_tokens after idx (B, T0) in eval mode (what inference runs: hard routing, cached).
+        The model conditions on the window idx[:, window_start(n, block_size):]. A model with a cache defines
+        prefill(idx) -> (logits (B, V), state) and step(tok (B, 1), state) -> (logits, state); the cache is
+        rebuilt when the window restarts. use_cache=False recomputes the window every token: the reference
+        the cached path equals token for token."""
+        was_training = self.training
+        self.eval()
+        cached = use_cache and hasattr(self, "prefill")
+        w_prev, state = -1, None
         for _ in range(max_new_tokens):
-            logits, _, _ = self(idx[:, -self.cfg.block_size:])
-            idx = torch.cat([idx, sample_next(logits[:, -1], temperature, top_k)], dim=1)
+            w = window_start(idx.size(1), self.cfg.block_size)
+            if not cached:
+                logits = self(idx[:, w:])[0][:, -1]                 # (B, V)
+            elif w != w_prev:                                        # first token, or the window restarted
+                logits, state = self.prefill(idx[:, w:])
+            else:
+                logits, state = self.step(idx[:, -1:], state)
+            w_prev = w
+            idx = torch.cat([idx, sample_next(logits, temperature, top_k)], dim=1)
+        self.train(was_training)
         return idx
+
+
+def window_start(n, block_size):
+    """First index of the context window when the context holds n tokens: everything while n <= block_size;
+    beyond, the window restarts from the last block_size // 2 tokens and grows back to block_size (so a
+    cache is rebuilt once every block_size − h + 1 tokens instead of every token)."""
+    if n <= block_size:
+        return 0
+    h = max(block_size // 2, 1)  # tokens kept when the window restarts
+    return n - h - (n - block_size - 1) % (block_size - h + 1)
 
 
 def sample_next(logits, temperature=1.0, top_k=None):
@@ -401,6 +452,46 @@ class Model(LM):
             x = block(x)
         logits, loss = self.head(x, targets)
         return logits, loss, ({"lm_loss": loss.detach()} if loss is not None else {})
+
+    # Cached decoding: per layer K, V preallocated to block_size; state = (caches, position).
+
+    @torch.no_grad()
+    def prefill(self, idx):
+        B, T = idx.shape
+        x, caches = self.embed(idx), []  # (B, T, C)
+        for block in self.blocks:
+            q, k, v = block.attn.qkv(block.ln_1(x))  # 3 × (B, nh, T, hs)
+            caches.append(KVCache(B, self.cfg.block_size, k, v))
+            x = x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype)
+            x = x + block.ffn_delta(x).to(x.dtype)
+        return self.head(x[:, -1:])[0][:, -1], (caches, T)
+
+    @torch.no_grad()
+    def step(self, tok, state):
+        caches, pos = state
+        x = self.wte(tok) + self.wpe.weight[pos]  # (B, 1, C)
+        for block, cache in zip(self.blocks, caches):
+            q, k, v = block.attn.qkv(block.ln_1(x))  # 3 × (B, nh, 1, hs)
+            k, v = cache.append(pos, k, v)          # (B, nh, pos + 1, hs)
+            x = x + block.attn.c_proj(block.attn.attend(q, k, v, causal=False)).to(x.dtype)
+            x = x + block.ffn_delta(x).to(x.dtype)
+        return self.head(x)[0][:, -1], (caches, pos + 1)
+
+
+class KVCache:
+    """K, V of one layer, preallocated to block_size positions (no growth by torch.cat); typed from the
+    first K/V it holds (bf16 under autocast, see the numerics policy)."""
+
+    def __init__(self, B, block_size, k, v):
+        nh, T, hs = k.shape[1:]
+        self.k = k.new_zeros(B, nh, block_size, hs)  # (B, nh, S, hs)
+        self.v = v.new_zeros(B, nh, block_size, hs)
+        self.k[:, :, :T], self.v[:, :, :T] = k, v
+
+    def append(self, pos, k, v):
+        """Write the K/V of position pos (B, nh, 1, hs); return the K/V of positions 0..pos."""
+        self.k[:, :, pos:pos + 1], self.v[:, :, pos:pos + 1] = k, v
+        return self.k[:, :, :pos + 1], self.v[:, :, :pos + 1]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -529,7 +620,8 @@ def check_same_arch(saved, cfg, path):
 
 
 def eval_rng(seed, split, k):
-    """The k-th evaluation batch of a split is the same in every run with this seed."""
+    """The k-th evaluation batch of a split is the same in every run with this seed (cfg.eval_seed, or
+    cfg.seed when that is -1)."""
     return np.random.default_rng([seed, 1 + ("train", "val", "test").index(split), k])
 
 
@@ -541,7 +633,7 @@ def estimate_loss(model, data, meta, cfg, device, split="val", sparse=False):
     model.eval()
     sums = {}
     for k in range(cfg.eval_iters):
-        x, y = get_batch(data, meta, cfg.batch_size, cfg.block_size, eval_rng(cfg.seed, split, k), device)
+        x, y = get_batch(data, meta, cfg.batch_size, cfg.block_size, eval_rng(cfg.eval_seed if cfg.eval_seed >= 0 else cfg.seed, split, k), device)
         with autocast(device):
             logits, loss, stats = model(x, y, sparse=sparse)
         mask = y >= 0
@@ -557,3 +649,65 @@ def estimate_loss(model, data, meta, cfg, device, split="val", sparse=False):
         out["bpc"] = out["loss"] / math.log(2)
     return out
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. The routing picture. Every router returns routing_map(idx (1, T)) -> (m (R, T) in [0, 1], row labels,
+# (meaning of 0, meaning of 1)); 1 = the token took the expensive path there. One renderer draws them all.
+
+CHEAP, COSTLY = (214, 234, 248), (239, 138, 54)  # light blue -> orange; black text stays readable on both
+
+
+def _mix(a):
+    return tuple(round(c0 + (c1 - c0) * a) for c0, c1 in zip(CHEAP, COSTLY))
+
+
+def _pieces(meta, idx):
+    """One printable string per token; a newline token shows as ⏎ and ends the line."""
+    return [decode(meta, [i]).replace("\n", "⏎\n") for i in idx]
+
+
+def render_routing(meta, idx, m, rows, legend, title, path=None, color=True, width=96):
+    """idx (T,) ids, m (R, T) in [0, 1] -> terminal text (ANSI colour, or a plain marker line under each
+    line of text when color=False) and, if path is given, a self-contained HTML file written atomically."""
+    toks, m = _pieces(meta, list(idx)), m.float().clamp(0, 1).tolist()
+    out = [f"{title}   legend: {legend[0]} = light" + (" (blue)" if color else " '.'") +
+           f", {legend[1]} = dark" + (" (orange)" if color else " '#'")]
+    for label, vals in zip(rows, m):
+        mean = sum(vals) / max(len(vals), 1)
+        out.append(f"-- {label}: {legend[1]} {mean:.0%}")
+        line, marks, n = "", "", 0
+        for tok, a in zip(toks, vals):
+            shown = tok.rstrip("\n")
+            if color:
+                r, g, b = _mix(a)
+                line += f"\x1b[38;2;0;0;0;48;2;{r};{g};{b}m{shown}\x1b[0m"
+            else:
+                line += shown
+                marks += ("#" if a > 0.5 else ".") * len(shown)
+            n += len(shown)
+            if tok.endswith("\n") or n >= width:
+                out += [line] + ([marks] if not color else [])
+                line, marks, n = "", "", 0
+        if n:
+            out += [line] + ([marks] if not color else [])
+    if path:
+        sections = []
+        for label, vals in zip(rows, m):
+            spans = "".join(f'<span style="background:rgb{_mix(a)}" title="{a:.2f}">{html.escape(t)}</span>'
+                            for t, a in zip(toks, vals))
+            sections.append(f"<h2>{html.escape(label)} <small>({legend[1]} {sum(vals) / max(len(vals), 1):.0%}"
+                            f")</small></h2>\n<pre>{spans}</pre>")
+        key = "".join(f'<span style="background:rgb{_mix(a)}">&nbsp;{html.escape(t)}&nbsp;</span> '
+                      for a, t in ((0.0, legend[0]), (0.5, "between"), (1.0, legend[1])))
+        page = ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>" + html.escape(title) +
+                "</title>\n<style>body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#111;"
+                "background:#fff}pre{font-size:16px;line-height:1.6;white-space:pre-wrap;word-break:break-all;"
+                "border:1px solid #ccc;padding:.5em}h2{font-size:1em;margin:1.2em 0 .2em}span{color:#000}</style>"
+                "</head><body>\n<h1>" + html.escape(title) + "</h1>\n<p>Each token is coloured by what the model "
+                "ran for it in each layer. " + key + "</p>\n" + "\n".join(sections) + "\n</body></html>\n")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(path + ".tmp", path)
+    return "\n".join(out)
