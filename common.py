@@ -273,6 +273,29 @@ def get_batch(data, meta, batch_size, block_size, rng, device="cpu"):
     return x.to(device), y.to(device)
 
 
+def encode(meta, text):
+    """A prompt -> ids; a character outside the vocabulary is a one-line error."""
+    if meta["dataset"] == "shakespeare":
+        stoi = {c: i for i, c in enumerate(meta["itos"])}
+        bad = sorted(set(text) - set(stoi))
+        if bad:
+            raise NanorouteError(f"the prompt has characters Tiny Shakespeare never uses: {''.join(bad)!r}")
+        return [stoi[c] for c in text]
+    if meta["dataset"] == "shakespeare_bpe":
+        return _bpe().encode_ordinary(text)
+    if meta["dataset"] == "enwik8":
+        return list(text.encode("utf-8"))
+    names = {"[BOS]": BOS, "[SEP]": SEP, "[EOS]": EOS}
+    try:
+        ids = [names[w] if w in names else int(w) for w in text.split()]
+    except ValueError:
+        raise NanorouteError(f"a {meta['dataset']} prompt is space-separated numbers 0..{TASK_VOCAB - 1} and "
+                             f"[BOS]/[SEP]/[EOS], got {text!r}")
+    if not all(0 <= i < meta["vocab_size"] for i in ids):
+        raise NanorouteError(f"prompt ids must be in 0..{meta['vocab_size'] - 1}")
+    return ids
+
+
 def decode(meta, ids):
     if meta["dataset"] == "shakespeare":
         return "".join(meta["itos"][i] for i in ids)

@@ -5,14 +5,20 @@ Train any nanoroute model on any dataset.
   python train.py --model dtrnet --dataset shakespeare --preset paper --max_iters=500
   python train.py --model gpt --dataset shakespeare --resume          # continue out/gpt-shakespeare
   torchrun --standalone --nproc_per_node=2 train.py --model gpt       # DDP (gloo on CPU, nccl on CUDA)
+  python train.py --model tsa --preset classroom                       # ~3 minutes on a laptop CPU
+  python train.py --sample out/tsa-shakespeare --prompt "ROMEO:" --num_tokens 300 --temperature 0.8 --top_k 200
 
 Every Config field is a flag (--key=value or --key value); the model file's Config has the defaults and
 its PRESETS dict the named presets. Order: defaults < preset < flags. Each eval writes one JSON line to
-out/<run>/metrics.jsonl and an atomic checkpoint; --resume continues exactly where the last one left off.
+out/<run>/metrics.jsonl and an atomic checkpoint (ckpt.pt: the latest, for --resume; best.pt: the weights
+with the best val loss); --resume continues exactly where the last one left off. The run ends with a
+summary: hard (what inference runs) vs soft loss, vs a dense GPT of the same preset in out/, work really
+skipped per layer, sparse vs dense speed measured on the spot, the routing picture, and a sample.
 """
 import dataclasses
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -41,8 +47,8 @@ def parse_value(name, typ, text):
     raise NanorouteError(f"--{name} expects {typ.__name__}, got {text!r}")
 
 
-def parse_args(argv):
-    """argv -> (Config, model module, resume). Unknown keys and bad values are one-line errors."""
+def split_flags(argv):
+    """['--a=1', '--b', '2', '--c'] -> {'a': '1', 'b': '2', 'c': None}; anything else is a one-line error."""
     pairs, i = [], 0
     while i < len(argv):
         arg = argv[i]
@@ -55,6 +61,12 @@ def parse_args(argv):
             i += has_value
         pairs.append((key, val))
         i += 1
+    return pairs
+
+
+def parse_args(argv):
+    """argv -> (Config, model module, resume). Unknown keys and bad values are one-line errors."""
+    pairs = split_flags(argv)
     opts = dict(pairs)
     name = opts.pop("model", None) or "gpt"
     if name not in MODELS:
@@ -87,9 +99,28 @@ def parse_args(argv):
 def resolve(cfg, meta):
     """Fill what the data decides: vocabulary, and for copy/sort the record length."""
     changes = {"vocab_size": meta["vocab_size"], "out_dir": cfg.out_dir or os.path.join("out", f"{cfg.model}-{cfg.dataset}")}
-    if "record_len" in meta:
+    if "record_len" in meta and cfg.block_size != meta["record_len"] - 1:
         changes["block_size"] = meta["record_len"] - 1
+        print(f"note: {cfg.dataset} trains on whole records: block_size {cfg.block_size} -> {changes['block_size']}")
     return dataclasses.replace(cfg, **changes)
+
+
+def check_fits(cfg, meta):
+    """Refuse, before anything is written, windows the data or the memory cannot hold."""
+    val_tokens = meta.get("val_tokens", 0)
+    if "record_len" not in meta and 2 * cfg.block_size > val_tokens:
+        raise NanorouteError(f"block_size={cfg.block_size} is more than half of {cfg.dataset}'s validation split "
+                             f"({val_tokens:,} tokens): too few distinct windows to evaluate on")
+    scores = cfg.batch_size * cfg.n_head * cfg.block_size ** 2 * 4 * 3  # fp32 attention scores, fwd + bwd
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    if ram and scores > ram / 2:
+        raise NanorouteError(f"block_size={cfg.block_size} with batch_size={cfg.batch_size}: one layer's attention "
+                             f"would need ~{scores / 2 ** 30:.0f} GiB, more than half of this machine's memory")
+    parent = cfg.out_dir
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise NanorouteError(f"--out_dir {cfg.out_dir}: {parent} is a file, not a directory")
 
 
 def write_json_atomic(path, obj):
@@ -119,9 +150,13 @@ def train(cfg, module, resume=False):
         init = common.load_checkpoint(cfg.init_from)
         cfg = dataclasses.replace(cfg, **{k: init["config"][k] for k in common.ARCH_FIELDS if k in init["config"]})
     cfg = resolve(cfg, meta)
+    check_fits(cfg, meta)
+    if cfg.compile and getattr(module, "COMPILE_REFUSED", ""):
+        raise NanorouteError(f"--compile is refused for --model {cfg.model}: {module.COMPILE_REFUSED}")
     train_data = common.load_split(cfg.dataset, "train", cfg.data_dir)
     val_data = common.load_split(cfg.dataset, "val", cfg.data_dir)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    best_path = os.path.join(cfg.out_dir, "best.pt")
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
 
     torch.manual_seed(cfg.seed + rank)
@@ -181,15 +216,18 @@ def train(cfg, module, resume=False):
         if master and eval_now:
             ev = {split: common.estimate_loss(raw_model, data, meta, cfg, device, split)
                   for split, data in (("train", train_data), ("val", val_data))}
-            best_val = min(best_val, ev["val"]["loss"])
-            extra = ", ".join(f"{k} {v:.4g}" for k, v in ev["val"].items() if k not in ("loss",))
-            log(f"step {it}: train loss {ev['train']['loss']:.4f}, val loss {ev['val']['loss']:.4f} ({extra})")
+            val = ev["val"]
+            log(f"step {it}: train loss {ev['train']['loss']:.4f}, val loss {val['loss']:.4f}"
+                + (f" (soft {val['soft_loss']:.4f})" if "soft_loss" in val else "")
+                + (f", skipped {val['skipped']:.0%}" if "skipped" in val else ""))
             record({"kind": "eval", "step": it, "time": round(time.time() - t0, 2),
-                    "train_loss": ev["train"]["loss"], "val_loss": ev["val"]["loss"],
-                    **{f"val_{k}": v for k, v in ev["val"].items() if k != "loss"}})
-            common.save_checkpoint(
-                ckpt_path, model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-                config=dataclasses.asdict(cfg), iter=it, best_val_loss=best_val, **rng)
+                    "train_loss": ev["train"]["loss"], "val_loss": val["loss"],
+                    **{f"val_{k}": v for k, v in val.items() if k != "loss"}})
+            state = dict(model=raw_model.state_dict(), config=dataclasses.asdict(cfg), iter=it, val_loss=val["loss"])
+            if val["loss"] < best_val:  # nanoGPT keeps the best weights: long presets overfit
+                best_val = val["loss"]
+                common.save_checkpoint(best_path, **state)
+            common.save_checkpoint(ckpt_path, **state, optimizer=optimizer.state_dict(), best_val_loss=best_val, **rng)
         if it == cfg.max_iters:
             break
         if hasattr(raw_model, "on_step"):  # schedules that depend on the step (temperatures, label phases)
@@ -212,15 +250,22 @@ def train(cfg, module, resume=False):
         if master and it % cfg.log_interval == 0:
             dt = (time.time() - t_last) / (cfg.log_interval if it > start else 1)
             t_last = time.time()
-            log(f"iter {it}: loss {lossf:.4f}, lr {lr:.2e}, grad norm {grad_norm.item():.3g}, {dt * 1000:.0f} ms/iter")
+            log(f"iter {it}/{cfg.max_iters}: loss {lossf:.4f}, {dt * 1000:.0f} ms/iter, "
+                f"ETA {_duration(dt * (cfg.max_iters - it))}")
             record({"kind": "train", "step": it, "loss": lossf, "lr": lr, "grad_norm": grad_norm.item(),
                     **{k: v.item() for k, v in stats.items() if v.numel() == 1}})
     if ddp:
+        torch.distributed.barrier()  # every rank is past its last collective before the group goes away
         torch.distributed.destroy_process_group()
     if master:
-        log(f"done in {time.time() - t0:.0f}s; best val loss {best_val:.4f}")
-        sample(raw_model, val_data, meta, device)
+        log(f"done in {_duration(time.time() - t0)}; best val loss {best_val:.4f}")
+        summary(raw_model, cfg, meta, val_data, device, metrics_path)
     return best_val
+
+
+def _duration(sec):
+    sec = max(0, int(round(sec)))
+    return f"{sec // 60}m{sec % 60:02d}s" if sec >= 60 else f"{sec}s"
 
 
 def _gather_rng(state, ddp):
@@ -230,6 +275,84 @@ def _gather_rng(state, ddp):
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, state)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The end of a run: what a user needs to trust the router, in words and numbers
+
+def summary(model, cfg, meta, val_data, device, metrics_path):
+    last = [r for r in map(json.loads, open(metrics_path)) if r["kind"] == "eval"][-1]
+    hard, soft = last["val_loss"], last.get("val_soft_loss")
+    print(f"\n== {cfg.model} on {cfg.dataset}: summary ==")
+    print(f"val loss {hard:.4f}: what inference runs" + (" (hard routing, sparse path)" if soft is not None else "")
+          + (f"; the training-mode (soft) model {soft:.4f}, so inference costs {hard / soft - 1:+.1%}"
+             if soft is not None else ""))
+    if cfg.model != "gpt":
+        dense = find_dense_run(cfg)
+        print(f"dense GPT of the same preset ({dense[0]}): val {dense[1]:.4f}; this model is {hard / dense[1] - 1:+.1%}"
+              if dense else "no dense GPT of the same preset in out/ to compare with (run train.py --model gpt "
+              "with the same flags)")
+    skips = sorted((int(k[len("val_skip_l"):]), v) for k, v in last.items() if k.startswith("val_skip_l"))
+    if skips:
+        print("work really skipped (share of tokens on the cheap path), per layer: "
+              + ", ".join(f"layer {i} {v:.0%}" for i, v in skips) + f"; mean {sum(v for _, v in skips) / len(skips):.0%}"
+              + (f"; forward FLOPs saved vs the dense GPT: {last['val_flops_saved_hard']:.1%}"
+                 if "val_flops_saved_hard" in last else ""))
+        print(speed_line(model, cfg, meta, val_data, device))
+    files = [os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt", "metrics.jsonl")]
+    if hasattr(model, "routing_map"):
+        idx = torch.tensor(val_data[:min(cfg.block_size, 256)].astype(np.int64), device=device)[None]
+        path = os.path.join(cfg.out_dir, "routing.html")
+        print(picture(model, idx, meta, f"{cfg.model} routing on the first validation window", path))
+        files.append(path)
+    print("files: " + ", ".join(files))
+    sample(model, val_data, meta, device)
+
+
+def find_dense_run(cfg):
+    """(run dir, final val loss) of a dense GPT in out/ trained with this run's data, sizes and budget."""
+    same = ("dataset", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters")
+    root = os.path.dirname(os.path.abspath(cfg.out_dir))
+    for name in sorted(os.listdir(root)):
+        try:
+            other = json.load(open(os.path.join(root, name, "config.json")))
+            if other.get("model") == "gpt" and all(other.get(k) == getattr(cfg, k) for k in same):
+                evals = [r for r in map(json.loads, open(os.path.join(root, name, "metrics.jsonl")))
+                         if r["kind"] == "eval" and r["step"] == cfg.max_iters]
+                if evals:
+                    return os.path.join(root, name), evals[-1]["val_loss"]
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def speed_line(model, cfg, meta, val_data, device, repeats=5):
+    """Sparse vs dense-hard forward of this model, and vs a dense GPT of its size, timed now, interleaved."""
+    x, _ = common.get_batch(val_data, meta, cfg.batch_size, cfg.block_size, common.eval_rng(0, "val", 0), device)
+    arch = {k: getattr(cfg, k) for k in common.ARCH_FIELDS}
+    gpt = common.Model(common.Config(**arch)).to(device).eval()
+    model.eval()
+    fns = {"sparse": lambda: model(x, sparse=True), "dense_hard": lambda: model(x), "gpt": lambda: gpt(x)}
+    times = {k: [] for k in fns}
+    with torch.no_grad(), common.autocast(device):
+        for i in range(repeats + 2):
+            for k, fn in fns.items():
+                common.sync(device)
+                t = time.perf_counter()
+                fn()
+                common.sync(device)
+                if i >= 2:
+                    times[k].append(time.perf_counter() - t)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return (f"speed, measured now (forward, batch {cfg.batch_size}×{cfg.block_size}, median of {repeats}): sparse "
+            f"{med['sparse'] * 1e3:.1f} ms = {med['dense_hard'] / med['sparse']:.2f}× the same decisions computed "
+            f"densely, {med['gpt'] / med['sparse']:.2f}× a dense GPT of the same size")
+
+
+def picture(model, idx, meta, title, path):
+    """The model's routing_map drawn in the terminal (colour on a TTY) and written to path as HTML."""
+    m, rows, legend = model.routing_map(idx)
+    return common.render_routing(meta, idx[0].tolist(), m, rows, legend, title, path, color=sys.stdout.isatty())
 
 
 def sample(model, val_data, meta, device, n=200):
@@ -243,9 +366,70 @@ def sample(model, val_data, meta, device, n=200):
     print("sample:\n" + common.decode(meta, out[0].tolist()))
 
 
+# ----------------------------------------------------------------------------------------------------
+# python train.py --sample RUN_DIR: nanoGPT's sample.py for a trained run
+
+SAMPLE_FLAGS = {"sample": str, "prompt": str, "num_tokens": int, "temperature": float, "top_k": int,
+                "dense": bool, "seed": int, "device": str}
+
+
+def sample_run(argv):
+    opts = {"prompt": "\n", "num_tokens": 300, "temperature": 0.8, "top_k": 200, "dense": False, "seed": 1337,
+            "device": "auto"}
+    for key, val in split_flags(argv):
+        if key not in SAMPLE_FLAGS:
+            raise NanorouteError(f"unknown option --{key} with --sample; valid: --{', --'.join(SAMPLE_FLAGS)}")
+        if val is None and SAMPLE_FLAGS[key] is not bool:
+            raise NanorouteError(f"--{key} needs a value")
+        opts[key] = True if val is None else parse_value(key, SAMPLE_FLAGS[key], val)
+    run_dir = opts["sample"]
+    if not os.path.isdir(run_dir):
+        raise NanorouteError(f"--sample {run_dir}: no such run directory (train one with python train.py --model ...)")
+    if opts["num_tokens"] < 1 or opts["temperature"] < 0 or opts["top_k"] < 1:
+        raise NanorouteError("--num_tokens and --top_k must be >= 1 and --temperature >= 0")
+    path = next((p for p in (os.path.join(run_dir, f) for f in ("best.pt", "ckpt.pt")) if os.path.exists(p)), None)
+    if path is None:
+        raise NanorouteError(f"--sample {run_dir}: no best.pt or ckpt.pt there (has the run reached its first eval?)")
+    ckpt = common.load_checkpoint(path)
+    saved = ckpt["config"]
+    if saved.get("model") not in MODELS:
+        raise NanorouteError(f"checkpoint {path} names an unknown model {saved.get('model')!r}")
+    module = importlib.import_module(MODELS[saved["model"]])
+    try:
+        cfg = module.Config(**saved)
+    except TypeError as e:
+        raise NanorouteError(f"checkpoint {path} has a config this code does not know ({e})")
+    device = common.pick_device(opts["device"])
+    model = module.Model(cfg).to(device)
+    model.load_state_dict(ckpt["model"])
+    meta = common.load_meta(cfg.dataset, cfg.data_dir)
+    ids = common.encode(meta, opts["prompt"])
+    idx = torch.tensor(ids[-cfg.block_size:], dtype=torch.long, device=device)[None]  # (1, T0)
+    torch.manual_seed(opts["seed"])
+    t = time.perf_counter()
+    with common.autocast(device):
+        out = model.generate(idx, opts["num_tokens"], opts["temperature"], opts["top_k"], use_cache=not opts["dense"])
+    common.sync(device)
+    dt = time.perf_counter() - t
+    how = ("cache-free forward of the whole window per token" if opts["dense"] or not hasattr(model, "prefill")
+           else "KV-cached decoding" + (", routed" if hasattr(model, "routing_map") else ""))
+    print(f"{cfg.model} from {path} (step {ckpt['iter']}, val {ckpt.get('val_loss', float('nan')):.4f}); "
+          f"{opts['num_tokens']} tokens in {dt:.2f}s ({opts['num_tokens'] / dt:.0f} tok/s, {how})")
+    if hasattr(model, "routing_map"):
+        window = out[:, -cfg.block_size:]
+        html_path = os.path.join(run_dir, "sample_routing.html")
+        print(picture(model, window, meta, f"{cfg.model}: routing of the sample's last {window.size(1)} tokens",
+                      html_path))
+        print(f"wrote {html_path}")
+    print("sample:\n" + common.decode(meta, out[0].tolist()))
+
+
 def main(argv=None):
     try:
-        cfg, module, resume = parse_args(sys.argv[1:] if argv is None else argv)
+        argv = sys.argv[1:] if argv is None else argv
+        if any(a == "--sample" or a.startswith("--sample=") for a in argv):
+            return sample_run(argv)
+        cfg, module, resume = parse_args(argv)
         return train(cfg, module, resume)
     except NanorouteError as e:
         print(f"error: {e}", file=sys.stderr)

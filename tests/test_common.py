@@ -5,6 +5,7 @@ import http.server
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -345,3 +346,187 @@ def test_bench_paper_suites_quick_smoke(suite):
     rows = bench.main([suite, "--quick", "--repeats=1"])
     assert rows and all(r["suite"] == suite for r in rows)
     assert all(v > 0 for r in rows for k, v in r.items() if k.endswith("_ms"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# cached decoding, the device matrix (issue 16) and the window policy shared by every model (issue 13)
+
+def test_window_start_keeps_between_half_and_full_block():
+    for bs in (1, 2, 3, 8, 16):
+        h = max(bs // 2, 1)
+        ws = [common.window_start(n, bs) for n in range(1, 5 * bs)]
+        assert ws[:bs] == [0] * bs
+        for n, w in enumerate(ws, start=1):
+            assert min(n, h) <= n - w <= bs  # never longer than block_size, never shorter than h once full
+        assert all(b >= a for a, b in zip(ws, ws[1:]))  # the window only moves forward
+        restarts = [n for n in range(bs + 1, 5 * bs) if ws[n - 1] != ws[n - 2]]
+        assert all(n - common.window_start(n, bs) == h for n in restarts)  # a restart keeps exactly h tokens
+
+
+def sharp(model):
+    """Weights of std 0.2 instead of GPT's 0.02: logits that depend strongly on every key, so a wrong cache
+    entry moves them far beyond bf16's tolerance (at the default init the logits are nearly uniform)."""
+    torch.manual_seed(0)
+    for p in model.parameters():
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, 0.0, 0.2)
+    return model
+
+
+def test_gpt_prefill_and_step_equal_the_full_forward(dev):
+    model = sharp(common.Model(tiny(block_size=16))).to(dev.device).eval()
+    idx = torch.randint(0, 50, (3, 16), device=dev.device)
+    with torch.no_grad(), dev.autocast():
+        full, _, _ = model(idx)                     # (B, T, V)
+        logits, state = model.prefill(idx[:, :5])
+        steps = [logits]
+        for t in range(5, 16):
+            logits, state = model.step(idx[:, t:t + 1], state)
+            steps.append(logits)
+    atol, rtol = dev.tol()
+    torch.testing.assert_close(torch.stack(steps, 1).float(), full[:, 4:].float(), atol=atol, rtol=rtol)
+
+
+def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):
+    model = sharp(common.Model(tiny(block_size=8))).to(dev.device).eval()
+    prompt = torch.randint(0, 50, (2, 3), device=dev.device)
+    with dev.autocast():
+        a = model.generate(prompt, 30, temperature=0)
+        b = model.generate(prompt, 30, temperature=0, use_cache=False)
+    assert a.shape == (2, 33)
+    if dev.low:  # bf16: rounding may flip a near-tie late in the sequence; the start must agree
+        assert torch.equal(a[:, :12], b[:, :12]) and (a == b).float().mean() > 0.9
+    else:
+        assert torch.equal(a, b)
+
+
+def test_gpt_training_step_is_finite_on_every_device(dev):
+    torch.manual_seed(0)
+    model = common.Model(tiny()).to(dev.device)
+    x = torch.randint(0, 50, (2, 32), device=dev.device)
+    with dev.autocast():
+        _, loss, _ = model(x, x.roll(-1, 1))
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_kv_cache_is_preallocated_and_typed_from_its_first_kv():
+    k = torch.randn(2, 2, 3, 4, dtype=torch.bfloat16)
+    cache = common.KVCache(2, 8, k, k)
+    assert cache.k.shape == (2, 2, 8, 4) and cache.k.dtype == torch.bfloat16
+    ptr = cache.k.data_ptr()
+    k2, v2 = cache.append(3, k[:, :, :1], k[:, :, :1])
+    assert k2.shape == (2, 2, 4, 4) and cache.k.data_ptr() == ptr  # written in place, no re-allocation
+
+
+# ---------------------------------------------------------------------------------------------------
+# the routing picture (issue 14)
+
+def test_render_routing_text_and_html(tmp_path):
+    meta = {"dataset": "shakespeare", "itos": list("\nabc ")}
+    idx = [1, 2, 3, 4, 0, 1, 2]  # "abc \nab"
+    m = torch.tensor([[1.0, 0, 1, 0, 0, 1, 0], [0.0, 0, 0, 0, 0, 0, 1]])
+    path = str(tmp_path / "r" / "routing.html")
+    text = common.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo", path,
+                                 color=False)
+    lines = text.splitlines()
+    assert lines[2:4] == ["abc ⏎", "#.#.."] and lines[4:6] == ["ab", "#."]  # text, then a marker per character
+    assert "layer 2: costly 14%" in text
+    page = open(path, encoding="utf-8").read()
+    assert page.count("<pre>") == 2 and "http" not in page and "<script" not in page  # self-contained
+    assert 'title="1.00">a</span>' in page and "cheap" in page and "costly" in page
+    colored = common.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo")
+    assert "\x1b[" in colored and "#" not in colored.split("\n", 1)[1]
+
+
+@pytest.mark.skipif(not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
+                    reason="no headless browser installed")
+def test_routing_html_renders_in_a_headless_browser(tmp_path):
+    browser = next(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b))
+    meta = {"dataset": "shakespeare", "itos": list("\nabc ")}
+    path = tmp_path / "routing.html"
+    common.render_routing(meta, [1, 2, 3] * 60, torch.rand(3, 180), ["l1", "l2", "l3"], ("a", "b"), "t", str(path))
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    f"--screenshot={shot}", "--window-size=900,900", path.as_uri()], timeout=60, capture_output=True)
+    assert shot.exists() and shot.stat().st_size > 5000
+
+
+# ---------------------------------------------------------------------------------------------------
+# the end of a run, --sample, bad input (issue 14)
+
+def test_run_ends_with_a_summary_and_keeps_the_best_checkpoint(data_dir, tmp_path, capsys):
+    run(["--max_iters=10"], data_dir, tmp_path / "gpt")
+    out = capsys.readouterr().out
+    assert "== gpt on shakespeare: summary ==" in out and "best.pt" in out and "sample:" in out
+    assert "iter 5/10: loss" in out and "ETA" in out
+    best = common.load_checkpoint(str(tmp_path / "gpt" / "best.pt"))
+    vals = [r["val_loss"] for r in records(tmp_path / "gpt") if r["kind"] == "eval"]
+    assert best["val_loss"] == min(vals) and "optimizer" not in best
+
+
+def test_sample_from_a_run(data_dir, tmp_path, capsys):
+    run(["--max_iters=5"], data_dir, tmp_path / "gpt")
+    capsys.readouterr()
+    train.main(["--sample", str(tmp_path / "gpt"), "--prompt", "ROMEO:", "--num_tokens=20", "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert "sample:\nROMEO:" in out and "20 tokens" in out and "KV-cached" in out
+    cached = out.split("sample:\n")[1]
+    train.main(["--sample", str(tmp_path / "gpt"), "--prompt", "ROMEO:", "--num_tokens=20", "--temperature=0", "--dense"])
+    assert capsys.readouterr().out.split("sample:\n")[1] == cached  # the cache changes the speed, not the text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sample", "nowhere"], "no such run directory"),
+    (["--sample", "{tmp}", "--prompt", "ROMEO{"], "characters Tiny Shakespeare never uses: '{'"),
+    (["--sample", "{tmp}", "--temp=1"], "unknown option --temp with --sample"),
+    (["--sample", "{tmp}", "--num_tokens=lots"], "--num_tokens expects int"),
+    (["--sample", "{empty}"], "no best.pt or ckpt.pt there"),
+])
+def test_sample_bad_input_is_one_line(argv, message, data_dir, tmp_path, capsys):
+    run(["--max_iters=0"], data_dir, tmp_path / "gpt")
+    (tmp_path / "empty").mkdir()
+    argv = [a.replace("{tmp}", str(tmp_path / "gpt")).replace("{empty}", str(tmp_path / "empty")) for a in argv]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1 and err.startswith("error: ")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--eval_interval=0"], "eval_interval must be >= 1"),
+    (["--learning_rate=nan"], "learning_rate must be a finite number"),
+    (["--learning_rate=-1"], "learning_rate must be > 0"),
+    (["--grad_clip=-1"], "grad_clip must be >= 0"),
+    (["--warmup_iters=-1"], "warmup_iters must be >= 0"),
+    (["--max_iters=-5"], "max_iters must be >= 0"),
+    (["--beta2=1.5"], "beta2 must be in [0, 1)"),
+    (["--block_size=100000"], "more than half of shakespeare's validation split"),
+    (["--block_size=40000", "--batch_size=4096"], "more than half of this machine's memory"),
+])
+def test_bad_numbers_are_one_line_and_write_nothing(argv, message, data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        run(argv, data_dir, tmp_path / "run")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1 and err.startswith("error: ")
+    assert not (tmp_path / "run").exists()
+
+
+def test_out_dir_under_a_file_and_non_utf8_data_are_one_line(data_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        run([], data_dir, tmp_path / "file" / "run")
+    assert "is a file, not a directory" in capsys.readouterr().err
+    bad = tmp_path / "data" / "shakespeare"
+    bad.mkdir(parents=True)
+    (bad / "input.txt").write_bytes(b"caf\xe9 \xff\xfe")
+    with pytest.raises(common.NanorouteError, match="is not UTF-8 text"):
+        common.prepare("shakespeare", str(tmp_path / "data"))
+    assert not (bad / "meta.json").exists()
+
+
+def test_copy_task_says_it_overrides_block_size(tmp_path, capsys):
+    meta = common.prepare("copy", str(tmp_path))
+    cfg = train.resolve(common.Config(block_size=64, dataset="copy", out_dir="x"), meta)
+    assert cfg.block_size == 22 and "block_size 64 -> 22" in capsys.readouterr().out
