@@ -5,6 +5,10 @@ and reported as a ratio; FLOPs-ideal speedups come from common.py's accounting.
   python bench.py gpt                      # our dense GPT vs a plain nanoGPT-style model
   python bench.py tsa --json out/bench_tsa.json
   python bench.py all --quick              # every suite at small sizes (a smoke run)
+  python bench.py all --device cuda --dtype bf16
+
+Every suite ends with `what=decode` rows: cached generation at batch 1 and 8, `tokens_per_s` of the routed
+model next to `dense_tokens_per_s` of the dense GPT of the same size (also cached), timed interleaved.
 
 Timing: warm-up calls, then the median of --repeats calls, each bracketed by common.sync(device).
 """
@@ -37,11 +41,14 @@ def timeit(fns, device, repeats=10, warmup=3):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+DTYPE = None  # the autocast dtype of this run (--dtype; None: what training uses on the device)
+
+
 def train_step(model, x, y, device):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     def step():
-        with common.autocast(device):
+        with common.autocast(device, DTYPE):
             _, loss, _ = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -52,9 +59,33 @@ def train_step(model, x, y, device):
 def forward(model, x, **kw):
     @torch.no_grad()
     def run():
-        with common.autocast(common.pick_device(str(x.device))):
+        with common.autocast(x.device, DTYPE):
             model(x, **kw)
     return run
+
+
+def decode_rows(suite, model, device, args, extra=None):
+    """Cached generation tokens/s of `model` (eval, its own routing) and of a dense GPT of the same size, at
+    batch 1 and 8, interleaved; greedy from a 16-token prompt. A row per batch size."""
+    cfg = model.cfg
+    arch = {k: getattr(cfg, k) for k in common.ARCH_FIELDS}
+    torch.manual_seed(0)
+    dense = common.Model(common.Config(**arch)).to(device).eval()
+    n_new = 8 if args.quick else min(128, cfg.block_size - 16)
+    rows = []
+    for B in (1, 8):
+        prompt = torch.randint(0, cfg.vocab_size, (B, 16), generator=torch.Generator().manual_seed(B)).to(device)
+
+        def gen(m):
+            def run():
+                with common.autocast(device, DTYPE):
+                    m.generate(prompt, n_new, temperature=0)
+            return run
+        t = timeit({"routed": gen(model), "dense": gen(dense)}, device, max(1, min(args.repeats, 5)), warmup=1)
+        rows.append({"suite": suite, "what": "decode", "B": B, "new_tokens": n_new, **(extra or {}),
+                     "tokens_per_s": B * n_new / t["routed"], "dense_tokens_per_s": B * n_new / t["dense"],
+                     "speed_ratio": t["dense"] / t["routed"]})
+    return rows
 
 
 def batch(cfg, B, T, device, seed=0):
@@ -113,7 +144,7 @@ def bench_gpt(args, device):
         rows.append({"suite": "gpt", "what": what, "B": B, "T": T, "ours_ms": 1e3 * t["ours"],
                      "plain_ms": 1e3 * t["plain"], "tokens_per_s": B * T / t["ours"],
                      "speed_ratio_ours_vs_plain": t["plain"] / t["ours"]})
-    return rows
+    return rows + decode_rows("gpt", ours.eval(), device, args)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -318,7 +349,7 @@ def bench_tsa(args, device):
     def run(mode, x):
         @torch.no_grad()
         def f():
-            with common.autocast(device):
+            with common.autocast(device, DTYPE):
                 if mode == "dense":
                     return dense(x)
                 model.train(mode == "soft")
@@ -423,18 +454,22 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=list(SUITES) + ["all"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", choices=list(common.DTYPES), default=None,
+                   help="autocast dtype (default: what training uses on the device: bf16 on CUDA, fp32 elsewhere)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     p.add_argument("--ckpt", default="", help="a trained checkpoint, for suites that use trained routers")
     args = p.parse_args(argv)
     try:
+        global DTYPE
         device = common.pick_device(args.device)
+        DTYPE = args.dtype or common.default_dtype(device)
         torch.manual_seed(0)
         rows = []
         for name in (SUITES if args.suite == "all" else [args.suite]):
             for r in SUITES[name](args, device):
-                r["device"] = str(device)
+                r["device"], r["dtype"] = str(device), DTYPE
                 rows.append(r)
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
                       flush=True)
