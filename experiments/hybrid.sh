@@ -8,13 +8,14 @@
 set -u
 cd "$(dirname "$0")/.."
 LOG=/work/runs/hybrid; mkdir -p "$LOG"
+CPUJOB=/work/bin/cpujob; [ -x "$CPUJOB" ] || CPUJOB="env OMP_NUM_THREADS=1"  # one CPU slot, 1 thread
 COMMON="--dataset shakespeare --n_layer=4 --n_head=4 --n_embd=128 --block_size=128 --batch_size=8 \
  --max_iters=400 --warmup_iters=40 --learning_rate=2e-3 --eval_interval=50 --eval_iters=10 --log_interval=10"
 run() {  # name, seed, extra flags...
   local name=$1 seed=$2; shift 2
   local out=out/hybrid/${name}-s${seed}
   if [ -f "$out/done" ]; then echo "skip $out"; return; fi
-  /work/bin/cpujob python train.py --model hybrid $COMMON --seed=$seed --out_dir=$out "$@" \
+  $CPUJOB python train.py --model hybrid $COMMON --seed=$seed --out_dir=$out "$@" \
     > "$LOG/${name}-s${seed}.log" 2>&1 && touch "$out/done"
   echo "$(date -u +%H:%M:%S) finished $name seed $seed (rc $?)"
 }

@@ -334,8 +334,10 @@ def test_ddp_two_processes_on_cpu(data_dir, tmp_path):
 def test_bench_gpt_quick_smoke(tmp_path):
     import bench
     rows = bench.main(["gpt", "--quick", "--repeats=1", f"--json={tmp_path / 'b.json'}"])
-    assert {r["what"] for r in rows} == {"forward", "train_step"}
-    assert all(r["speed_ratio_ours_vs_plain"] > 0 for r in rows)
+    assert {r["what"] for r in rows} == {"forward", "train_step", "decode"}
+    assert all(r["speed_ratio_ours_vs_plain"] > 0 for r in rows if r["what"] != "decode")
+    assert [r["B"] for r in rows if r["what"] == "decode"] == [1, 8]
+    assert all(r["tokens_per_s"] > 0 and r["dense_tokens_per_s"] > 0 for r in rows if r["what"] == "decode")
     assert json.load(open(tmp_path / "b.json"))["rows"][0]["suite"] == "gpt"
 
 
