@@ -14,10 +14,22 @@ through W_V·W_O alone (linear path: the token attends only to itself); every to
   (7) L = CE + λ Σ_l α_l · mean_i g_attn,i^(l),  α_l = f_l / Σ_j f_j,  f_l = Σ_i δ_i^(l)  (no gradient through α)
 
 Eq. (7) in the paper writes ‖G[:,0]‖₁; like the authors' code we take the mean over tokens, so λ = 8e-4 does
-not depend on the sequence length. Variants: `skip` (δ ≡ 0, paper A3) and `no_vo` (the bypass uses LN1(x)
-itself instead of LN1(x) W_V W_O, paper A5). Inference: `model.eval()` computes eq. (6) as a dense boolean
-mask (the reference); `model(idx, sparse=True)` gathers each row's routed tokens into a padded batch and runs
-SDPA on them only; `generate` keeps a KV cache in which D layers store keys/values of routed tokens only.
+not depend on the sequence length. The first and last layers are always T (paper, "Architectural Design
+Choices"; the authors' released model code instead makes its *listed* layers dense, i.e. routes the first and
+last layers: we follow the paper). Variants: `skip` (δ ≡ 0, paper A3) and `no_vo` (the bypass uses LN1(x)
+itself instead of LN1(x) W_V W_O, paper A5).
+
+Paths (all with the same hard decisions δ):
+  - training and `model(idx, sparse=True)` pack each row's routed tokens to the front (a stable sort keeps
+    their order), so eq. (6) among them is plain causal SDPA on (B, nh, R, hs) — a flash kernel, no mask;
+    bypassed tokens pay only W_V and W_O. One host sync per D layer reads R = max routed count.
+  - `model.eval()` with sparse=False: the reference, eq. (6) as a dense (B, 1, T, T) boolean mask.
+  - cached decoding, `prefill(idx)` (the packed forward, one batch) then `step(tok, state)`. T layers cache
+    every token; a D layer caches K/V of its routed tokens only — a bypassed token has no key there (eq. 6:
+    no later token attends to it), so at decode it skips Q, K and attention and contributes nothing to that
+    layer's cache; it still pays the router, W_V, W_O, the MLP and its K/V in every T layer.
+Numerics (common.py's policy): fp32 residual stream, router probabilities in fp32, deltas cast where added,
+caches typed from the first K/V they receive.
 """
 from dataclasses import dataclass
 
@@ -29,6 +41,7 @@ import common
 from common import NanorouteError
 
 VARIANTS = ("dtrnet", "skip", "no_vo")
+NORMS = ("layernorm", "rmsnorm")
 
 
 def layer_pattern(spec, n_layer):
@@ -58,13 +71,16 @@ class Config(common.Config):
     layers: str = "bilayer"   # T/D pattern (see layer_pattern)
     lam: float = 8e-4         # λ of eq. (7): 8e-4 at 360M, 6e-4 at 1.3B
     variant: str = "dtrnet"   # dtrnet | skip (A3: nothing routed) | no_vo (A5: bypass without W_V W_O)
+    norm: str = "layernorm"   # layernorm (nanoGPT) | rmsnorm (the paper's LLaMA blocks)
 
     def __post_init__(self):
         super().__post_init__()
         layer_pattern(self.layers, self.n_layer)
         if self.variant not in VARIANTS:
             raise NanorouteError(f"variant={self.variant!r}: choose one of {', '.join(VARIANTS)}")
-        if self.lam < 0:
+        if self.norm not in NORMS:
+            raise NanorouteError(f"norm={self.norm!r}: choose one of {', '.join(NORMS)}")
+        if not self.lam >= 0:
             raise NanorouteError(f"lam (λ) must be >= 0, got {self.lam}")
         if self.n_embd < 2:
             raise NanorouteError(f"n_embd={self.n_embd} is too small for a d → d/2 router")
@@ -74,17 +90,22 @@ class Config(common.Config):
         return layer_pattern(self.layers, self.n_layer)
 
 
-# SmolLM-360M (the paper's main scale): 32 layers, d=960. Differences kept from nanoGPT: GELU MLP of 4d (the
-# paper: SwiGLU 2560), learned positions (paper: RoPE), full multi-head attention (paper: GQA 5 kv heads).
+# SmolLM-360M (the paper's main scale): 32 layers, d=960, RMSNorm, AdamW 3e-4 / wd 0.01 / clip 0.1, cosine with a
+# 10% warm-up (set here for the preset's max_iters: change both together). Differences kept from nanoGPT: GELU
+# MLP of 4d (paper: SwiGLU 2560), learned positions (paper: RoPE), full multi-head attention (paper: GQA).
+# classroom: 4 layers T D D T at the paper's λ (measured: ~65% of D-layer tokens bypass attention after 1500
+# iters, with a visible pattern; λ = 0.01 or 0.05 closes every D layer to attention within 200 iters).
 PRESETS = {"paper": dict(n_layer=32, n_embd=960, n_head=15, block_size=2048, layers="bilayer", lam=8e-4,
-                         learning_rate=3e-4, min_lr=1e-5, weight_decay=0.01, grad_clip=0.1, vocab_size=32000)}
+                         norm="rmsnorm", learning_rate=3e-4, min_lr=1e-5, weight_decay=0.01, grad_clip=0.1,
+                         max_iters=2250, warmup_iters=225, vocab_size=32000),
+           "classroom": dict(common.CLASSROOM, layers="trilayer", lam=8e-4)}
 
 
 # ----------------------------------------------------------------------------------------------------
 # Modules
 
 class Router(nn.Module):
-    """Eq. (1): two-layer MLP on the residual stream -> probabilities [g_attn, g_bypass]."""
+    """Eq. (1): two-layer MLP on the residual stream -> probabilities [g_attn, g_bypass] in fp32."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -92,7 +113,8 @@ class Router(nn.Module):
         self.w2 = nn.Linear(cfg.n_embd // 2, 2, bias=cfg.bias)           # W2: d/2 × 2
 
     def forward(self, x):
-        return F.softmax(self.w2(F.silu(self.w1(x))), dim=-1)  # (B, T, 2)
+        z = self.w2(F.silu(self.w1(x)))  # (B, T, 2) logits; bf16/fp16 under autocast
+        return F.softmax(z, dim=-1, dtype=torch.promote_types(z.dtype, torch.float32))  # at least fp32
 
 
 def router_params(cfg):
@@ -110,17 +132,17 @@ class DTRBlock(common.Block):
         self.variant = cfg.variant
 
     def route(self, x):
-        g_attn, g_bypass = self.router(x).unbind(-1)  # 2 × (B, T)   eq. (1)
+        g_attn, g_bypass = self.router(x).unbind(-1)  # 2 × (B, T)   eq. (1), on the residual stream x
         delta = g_attn > g_bypass                       # (B, T)       eq. (2)
         if self.variant == "skip":                      # A3: no token ever reaches attention
             delta = torch.zeros_like(delta)
         return g_attn, g_bypass, delta
 
-    def w_v(self, h):
-        """LN1(x) W_V for every token: the V slice of the fused c_attn (eq. 5 and the values of eq. 4)."""
-        C = h.size(-1)
-        b = self.attn.c_attn.bias
-        return F.linear(h, self.attn.c_attn.weight[2 * C:], None if b is None else b[2 * C:])  # (B, T, C)
+    def proj(self, h, part):
+        """Slices of the fused c_attn: part 'qk' -> LN1(x) [W_Q W_K] (B, T, 2C), 'v' -> LN1(x) W_V (B, T, C)."""
+        C, W, b = h.size(-1), self.attn.c_attn.weight, self.attn.c_attn.bias
+        s = slice(0, 2 * C) if part == "qk" else slice(2 * C, 3 * C)
+        return F.linear(h, W[s], None if b is None else b[s])
 
     def mix(self, a, h, v, delta, g_attn, g_bypass):
         """Eqs. (3)+(5): routed rows take attention output a, bypassed rows their own value v; W_O; then the
@@ -128,10 +150,10 @@ class DTRBlock(common.Block):
         y = self.attn.c_proj(torch.where(delta[..., None], a, v))  # (B, T, C)
         if self.variant == "no_vo":                                  # A5: bypass without W_V W_O
             y = torch.where(delta[..., None], y, h)
-        g = torch.where(delta, g_attn, g_bypass)                     # (B, T)
-        return self.attn.resid_dropout(g[..., None] * y)
+        g = torch.where(delta, g_attn, g_bypass)                     # (B, T) fp32
+        return self.attn.resid_dropout(g[..., None] * y)             # (B, T, C) fp32
 
-    def attn_delta_dense(self, x):
+    def attn_delta_masked(self, x):
         """Reference: attention over all tokens with the boolean mask of eq. (6)."""
         h = self.ln_1(x)
         g_attn, g_bypass, delta = self.route(x)
@@ -144,37 +166,34 @@ class DTRBlock(common.Block):
         mask = (delta[:, None, :, None] & delta[:, None, None, :] & causal) | eye  # (B, 1, T, T)
         a = self.attn.attend(q, k, v, mask)                                        # (B, T, C)
         v = v.transpose(1, 2).reshape_as(a)                                        # (B, T, C)
-        return self.mix(a, h, v, delta, g_attn, g_bypass), g_attn, delta
+        return self.mix(a, h, v, delta, g_attn, g_bypass), g_attn, delta, None
 
-    def attn_delta_sparse(self, x):
-        """Eval only: gather each row's routed tokens into a (B, R_max) padded batch, SDPA on those only,
-        scatter back. Bypassed tokens only pay for W_V and W_O."""
+    def attn_delta_packed(self, x):
+        """Training, sparse inference and prefill: gather each row's routed tokens into a (B, R) packed batch,
+        causal SDPA on those only, scatter back. Also returns their K, V (B, nh, R, hs) for a cache."""
         h = self.ln_1(x)
         g_attn, g_bypass, delta = self.route(x)
-        v = self.w_v(h)  # (B, T, C)
-        a = v
-        R = int(delta.sum(1).max())  # the one host sync: the size of the ragged batch
+        v = self.proj(h, "v")  # (B, T, C): every token needs its value (eq. 5)
+        a, kv = v, None
+        R = int(delta.sum(1).max())  # host sync (one per D layer): the packed length
         if R > 0:
             B, T, C = h.shape
-            # stable sort puts routed tokens first, in their original order -> causal order is kept
+            # a stable sort puts routed tokens first, in their original order, so for a real query i < R_b
+            # every key j <= i is real: plain causal SDPA is "key-padding ∧ causal" and no row is empty
+            # (padding queries at the end see real keys; their outputs land on bypassed slots, dropped by mix)
             order = torch.argsort((~delta).to(torch.int8), dim=1, stable=True)[:, :R]  # (B, R)
             idx = order[..., None].expand(B, R, C)
-            hr, vr = torch.gather(h, 1, idx), torch.gather(v, 1, idx)                  # (B, R, C)
-            W, b = self.attn.c_attn.weight, self.attn.c_attn.bias
-            q, k = F.linear(hr, W[:2 * C], None if b is None else b[:2 * C]).chunk(2, dim=-1)
-            # Routed tokens are packed first, so for a real query i < R_b every key j <= i is real: the
-            # plain causal mask already is "key-padding ∧ causal", and no row is empty (padding rows see
-            # key 0; their outputs are discarded). So: is_causal SDPA on (B, nh, R, hs).
+            q, k = self.proj(torch.gather(h, 1, idx), "qk").chunk(2, dim=-1)       # 2 × (B, R, C)
             split = self.attn.split_heads
-            ar = self.attn.attend(split(q), split(k), split(vr))  # (B, R, C)
-            # padding slots are bypassed tokens: what lands there is ignored, mix() takes their own v
-            a = v.scatter(1, idx, ar)
-        return self.mix(a, h, v, delta, g_attn, g_bypass), g_attn, delta
+            q, k, vr = split(q), split(k), split(torch.gather(v, 1, idx))          # (B, nh, R, hs)
+            a = v.scatter(1, idx, self.attn.attend(q, k, vr).to(v.dtype))         # (B, T, C)
+            kv = (k, vr)
+        return self.mix(a, h, v, delta, g_attn, g_bypass), g_attn, delta, kv
 
-    def forward(self, x, sparse=False):
-        d, g_attn, delta = (self.attn_delta_sparse if sparse else self.attn_delta_dense)(x)
+    def forward(self, x, packed=False):
+        d, g_attn, delta, kv = (self.attn_delta_packed if packed else self.attn_delta_masked)(x)
         x = x + d
-        return x + self.ffn_delta(x), g_attn, delta
+        return x + self.ffn_delta(x).to(x.dtype), g_attn, delta, kv
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,108 +203,170 @@ class Model(common.LM):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.pattern = cfg.pattern
+        self.d_layers = [i for i, c in enumerate(self.pattern) if c == "D"]
         self.blocks = nn.ModuleList(DTRBlock(cfg) if c == "D" else common.Block(cfg) for c in self.pattern)
+        if cfg.norm == "rmsnorm":  # the paper's LLaMA blocks: every LayerNorm (ln_1, ln_2, ln_f) -> RMSNorm
+            for mod in [self, *self.blocks]:
+                for name, child in list(mod.named_children()):
+                    if isinstance(child, nn.LayerNorm):
+                        setattr(mod, name, nn.RMSNorm(cfg.n_embd, eps=1e-5))
         self.init_weights()
+
+    def trunk(self, x, packed):
+        """All blocks; returns x and [(g_attn, δ, K/V of the routed tokens or None)] per D layer."""
+        routes = []
+        for block in self.blocks:
+            if isinstance(block, DTRBlock):
+                x, g_attn, delta, kv = block(x, packed)
+                routes.append((g_attn, delta, kv))
+            else:
+                x = block(x)
+        return x, routes
 
     def forward(self, idx, targets=None, sparse=False):
         if sparse and self.training:
             raise NanorouteError("sparse=True is an inference path: call model.eval() first")
-        x = self.embed(idx)  # (B, T, C)
-        g_means, fracs = [], []
-        for block in self.blocks:
-            if isinstance(block, DTRBlock):
-                x, g_attn, delta = block(x, sparse)
-                g_means.append(g_attn.mean())
-                fracs.append(delta.float().mean())  # f_l / (B·T)
-            else:
-                x = block(x)
+        x, routes = self.trunk(self.embed(idx), packed=self.training or sparse)  # (B, T, C)
         logits, lm_loss = self.head(x, targets)
         stats, rl = {}, 0.0
-        if fracs:
-            g_means, fracs = torch.stack(g_means), torch.stack(fracs).detach()  # (L_D,)
+        if routes:
+            g_means = torch.stack([g.mean() for g, _, _ in routes])          # (L_D,) mean g_attn per layer
+            fracs = torch.stack([d.float().mean() for _, d, _ in routes])    # (L_D,) f_l / (B·T)
             rl = routing_loss(g_means, fracs)  # eq. (7)
-            stats.update(route_loss=rl.detach(), frac_attn=fracs.mean(),
-                         flops_ratio=flops_ratio(self.cfg, idx.size(1), fracs))  # tensor math, no sync
-            d_layers = [i for i, c in enumerate(self.pattern) if c == "D"]
-            stats.update({f"frac_l{i}": f for i, f in zip(d_layers, fracs)})
+            T = idx.size(1)
+            ratio = flops_per_token(self.cfg, T, fracs) / common.dense_flops_per_token(self.cfg, T)
+            stats.update(route_loss=rl.detach(), frac_attn=fracs.mean(), skipped=1 - fracs.mean(),
+                         flops_ratio=ratio, flops_saved_hard=1 - ratio)  # tensor math, no sync
+            for i, f in zip(self.d_layers, fracs):
+                stats[f"frac_l{i}"], stats[f"skip_l{i}"] = f, 1 - f  # routed to attention / bypassed
         loss = None
         if targets is not None:
             loss = lm_loss + self.cfg.lam * rl
             stats["lm_loss"] = lm_loss.detach()
+            if not self.training:  # DTRNet trains with the same hard δ (eq. 2): training's loss is this one
+                stats["soft_loss"] = stats["lm_loss"]
         return logits, loss, stats
 
-    # ------------------------------------------------------------------------------------------------
-    # Cached decoding. Per layer the cache holds K, V: (B, nh, S, hs) and n: (B,) valid slots per row.
-    # T layers append every token; D layers only routed ones, so rows get different lengths (padded to S,
-    # masked by n). The position is tracked separately (cache["pos"]), because in D layers it != n.
+    @torch.no_grad()
+    def routing_map(self, idx):
+        """idx (1, T) -> (m (L_D, T): 1 = the token took attention at that D layer (hard, what inference
+        runs), row labels, legend)."""
+        was_training = self.training
+        self.eval()
+        _, routes = self.trunk(self.embed(idx), packed=True)
+        self.train(was_training)
+        m = torch.stack([d[0].float() for _, d, _ in routes]).cpu() if routes else torch.zeros(0, idx.size(1))
+        return m, [f"layer {i}" for i in self.d_layers], ("bypass (W_V·W_O)", "attention")
 
-    def new_cache(self, B, device):
-        nh, hs = self.cfg.n_head, self.cfg.n_embd // self.cfg.n_head
-        empty = lambda: torch.zeros(B, nh, 0, hs, device=device, dtype=self.wte.weight.dtype)
-        return {"pos": 0, "layers": [{"k": empty(), "v": empty(), "n": torch.zeros(B, dtype=torch.long,
-                                                                                    device=device)}
-                                     for _ in self.blocks]}
+    # ------------------------------------------------------------------------------------------------
+    # Cached decoding (common.LM.generate drives it): state = (one cache per layer, position).
 
     @torch.no_grad()
-    def decode_step(self, idx, cache):
-        """One token per row (B, 1) -> logits (B, V); appends to cache. Prefill = one step per prompt token."""
-        pos = cache["pos"]
+    def prefill(self, idx):
+        """idx (B, T) -> logits (B, V) of the last position and the caches, from one packed forward."""
+        B, T = idx.shape
+        x, caches = self.embed(idx), []  # (B, T, C)
+        for block in self.blocks:
+            if isinstance(block, DTRBlock):
+                x, _, delta, kv = block(x, packed=True)
+                caches.append(RoutedKVCache(delta.sum(1), self.cfg.block_size, *(kv or ())))
+            else:
+                q, k, v = block.attn.qkv(block.ln_1(x))  # 3 × (B, nh, T, hs)
+                caches.append(common.KVCache(B, self.cfg.block_size, k, v))
+                x = x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype)
+                x = x + block.ffn_delta(x).to(x.dtype)
+        return self.head(x[:, -1:])[0][:, -1], (caches, T)
+
+    @torch.no_grad()
+    def step(self, tok, state):
+        """tok (B, 1) at position pos -> logits (B, V) and the state with its K/V appended."""
+        caches, pos = state
         if pos >= self.cfg.block_size:
-            raise NanorouteError(f"cache is full (block_size {self.cfg.block_size}); start a new cache")
-        x = self.drop(self.wte(idx) + self.wpe.weight[pos])  # (B, 1, C)
-        for block, c in zip(self.blocks, cache["layers"]):
+            raise NanorouteError(f"position {pos} is past block_size {self.cfg.block_size}: prefill a new window")
+        x = self.wte(tok) + self.wpe.weight[pos]  # (B, 1, C)
+        for block, cache in zip(self.blocks, caches):
             h = block.ln_1(x)
-            q, k, v = block.attn.qkv(h)  # (B, nh, 1, hs)
             if isinstance(block, DTRBlock):
                 g_attn, g_bypass, delta = block.route(x)  # (B, 1)
-            else:
-                delta = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-            r = delta[:, 0]  # (B,)
-            rows = r.nonzero()[:, 0]
-            if len(rows):  # routed rows append their key/value at slot n; grow S by one slot if needed
-                if int(c["n"][rows].max()) == c["k"].size(2):
-                    pad = c["k"].new_zeros(*c["k"].shape[:2], 1, c["k"].size(3))
-                    c["k"], c["v"] = torch.cat([c["k"], pad], 2), torch.cat([c["v"], pad], 2)
-                c["k"][rows, :, c["n"][rows]] = k[rows, :, 0]
-                c["v"][rows, :, c["n"][rows]] = v[rows, :, 0]
-                c["n"] = c["n"] + r
-            v = v.transpose(1, 2).reshape_as(x)  # (B, 1, C)
-            a = v
-            if c["k"].size(2):  # attention over the valid slots; bypassed rows are masked to "see all"
-                S = c["k"].size(2)  # (finite zeros, result discarded) so no row is all -inf
-                mask = (torch.arange(S, device=x.device) < c["n"][:, None]) | ~r[:, None]  # (B, S)
-                a = block.attn.attend(q, c["k"], c["v"], mask[:, None, None, :])  # (B, 1, C)
-            if isinstance(block, DTRBlock):
+                v = block.proj(h, "v")                    # (B, 1, C)
+                a = v
+                if delta.any():  # host sync (one per D layer): a token no row routes skips Q, K and attention
+                    split = block.attn.split_heads
+                    q, k = block.proj(h, "qk").chunk(2, dim=-1)                # 2 × (B, 1, C)
+                    K, V, valid = cache.append(split(k), split(v), delta[:, 0])  # (B, nh, L, hs), (B, L)
+                    # a bypassed row's result is dropped by mix(); letting it see every slot avoids all -inf
+                    a = block.attn.attend(split(q), K, V, (valid | ~delta)[:, None, None, :])  # (B, 1, C)
                 x = x + block.mix(a, h, v, delta, g_attn, g_bypass)
             else:
-                x = x + block.attn.resid_dropout(block.attn.c_proj(a))
-            x = x + block.ffn_delta(x)
-        cache["pos"] = pos + 1
-        return self.lm_head(self.ln_f(x))[:, -1]  # (B, V)
+                q, k, v = block.attn.qkv(h)     # 3 × (B, nh, 1, hs)
+                k, v = cache.append(pos, k, v)  # (B, nh, pos + 1, hs)
+                x = x + block.attn.c_proj(block.attn.attend(q, k, v, causal=False)).to(x.dtype)
+            x = x + block.ffn_delta(x).to(x.dtype)
+        return self.head(x)[0][:, -1], (caches, pos + 1)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, return_cache=False):
-        """Cached sampling. When the position reaches block_size the cache is rebuilt from the last
-        block_size/2 tokens (learned positions cannot go further)."""
-        cache, logits = None, None
-        for _ in range(max_new_tokens):
-            if cache is None or cache["pos"] == self.cfg.block_size:
-                ctx = idx[:, -(self.cfg.block_size // 2 if cache else self.cfg.block_size):]
-                cache = self.new_cache(idx.size(0), idx.device)
-                for t in range(ctx.size(1)):
-                    logits = self.decode_step(ctx[:, t:t + 1], cache)
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, return_cache=False):
+        """common.LM.generate. return_cache=True is bench.py's current call (one window, prompt + new tokens
+        <= block_size): also returns the final state for kv_cache_bytes. Remove once bench.py drives
+        prefill/step itself."""
+        if not return_cache:
+            return super().generate(idx, max_new_tokens, temperature, top_k, use_cache)
+        self.eval()
+        logits, state = self.prefill(idx)
+        for i in range(max_new_tokens):
             idx = torch.cat([idx, common.sample_next(logits, temperature, top_k)], dim=1)
-            if cache["pos"] < self.cfg.block_size:  # feed the sampled token (the last one needs no step)
-                logits = self.decode_step(idx[:, -1:], cache)
-        return (idx, cache) if return_cache else idx
+            if i + 1 < max_new_tokens:
+                logits, state = self.step(idx[:, -1:], state)
+        return idx, state
 
 
-def kv_cache_bytes(cache):
-    """Bytes held by the cache vs a dense model that caches every token in every layer."""
-    held = sum((c["k"].numel() + c["v"].numel()) * c["k"].element_size() for c in cache["layers"])
-    k = cache["layers"][0]["k"]
-    dense = len(cache["layers"]) * 2 * k.size(0) * k.size(1) * cache["pos"] * k.size(3) * k.element_size()
-    return held, dense
+class RoutedKVCache:
+    """K/V of one D layer for its routed tokens only, packed per row: row b holds n[b] valid slots in token
+    order. Allocated from the first K/V it receives (their dtype); the capacity doubles when full (O(S)
+    copying in all, memory <= 2× the routed tokens and never above block_size: the paper's KV saving).
+    `bound` is a host-side upper bound on n.max(), so an append needs a host sync only near capacity."""
+
+    def __init__(self, n, block_size, k=None, v=None):
+        self.n, self.block_size = n, block_size  # n: (B,) valid slots per row
+        self.k = self.v = None
+        self.bound = 0
+        if k is not None:  # prefill: k, v (B, nh, R, hs) packed, slots >= n[b] are padding
+            self.reserve(k, k.size(2))
+            self.k[:, :, :k.size(2)], self.v[:, :, :k.size(2)] = k, v
+            self.bound = k.size(2)
+
+    def reserve(self, like, need):
+        cap = 0 if self.k is None else self.k.size(2)
+        if need <= cap:
+            return
+        new = min(self.block_size, max(2 * cap, need, 16))
+        k, v = like.new_zeros(*like.shape[:2], new, like.size(3)), like.new_zeros(*like.shape[:2], new, like.size(3))
+        if cap:
+            k[:, :, :cap], v[:, :, :cap] = self.k, self.v
+        self.k, self.v = k, v  # (B, nh, capacity, hs)
+
+    def append(self, k, v, routed):
+        """k, v (B, nh, 1, hs) of the new token; routed (B,). Every row writes at its slot n[b] (a row that did
+        not route writes past its valid slots: harmless), then n += routed. Returns the first `bound` slots
+        K, V (B, nh, L, hs) and which are valid (B, L)."""
+        if self.k is None or self.bound == self.k.size(2):
+            self.bound = int(self.n.max())  # host sync, only when the capacity might be reached
+            self.reserve(k, self.bound + 1)
+        slot = self.n.view(-1, 1, 1, 1).expand_as(k)  # (B, nh, 1, hs)
+        self.k.scatter_(2, slot, k.to(self.k.dtype))
+        self.v.scatter_(2, slot, v.to(self.v.dtype))
+        self.n = self.n + routed
+        self.bound += 1
+        valid = torch.arange(self.bound, device=k.device) < self.n[:, None]  # (B, L)
+        return self.k[:, :, :self.bound], self.v[:, :, :self.bound], valid
+
+
+def kv_cache_bytes(state):
+    """(bytes this cache holds, bytes a dense model's cache holds: every layer preallocated to block_size)."""
+    caches, _ = state
+    held = sum(c.k.numel() * c.k.element_size() * 2 for c in caches if c.k is not None)
+    t = next(c for c in caches if isinstance(c, common.KVCache))  # the first layer is always T
+    return held, len(caches) * 2 * t.k.numel() * t.k.element_size()
 
 
 # ----------------------------------------------------------------------------------------------------
