@@ -292,24 +292,19 @@ def bench_dtrnet(args, device):
                      "rho_set": "trained", "rho": rho, "dense_ms": 1e3 * t["dense"],
                      "sparse_ms": 1e3 * t["sparse"], "eval_masked_ms": 1e3 * t["eval_masked"],
                      "speedup_measured": t["dense"] / t["sparse"], "speedup_flops_ideal": ideal})
-    # cached generation, batch 1: DTRNet at ρ≈0.1 and at ρ=1 (every token cached, i.e. a dense KV cache in
-    # the same code), and the dense GPT without a cache (common.LM.generate)
+    # cached decoding at B=1 and 8 vs the dense GPT's KV cache (ρ≈0.1), and the routed cache's bytes
     n_new = 32 if quick else 256
-    gcfg = dtrnet.Config(n_layer=7, n_head=4, n_embd=128, block_size=n_new + 1, vocab_size=65)
-    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
-    gdense = common.Model(gcfg).to(device).eval()
-    for what, m in (("generate_rho0.1", forced(0.1, gcfg)), ("generate_rho1", forced(1.0, gcfg)),
-                    ("generate_dense_nocache", gdense)):
-        common.sync(device)
-        t0 = time.perf_counter()
-        out = m.generate(prompt, n_new, temperature=0, **({"return_cache": True} if m is not gdense else {}))
-        common.sync(device)
-        dt = time.perf_counter() - t0
-        r = {"suite": "dtrnet", "what": what, "B": 1, "T": n_new + 1, "tokens_per_s": n_new / dt}
-        if m is not gdense:
-            held, full = dtrnet.kv_cache_bytes(out[1])
-            r.update(kv_bytes=held, kv_bytes_dense=full, kv_ratio=held / full)
-        rows.append(r)
+    gcfg = dtrnet.Config(n_layer=7, n_head=4, n_embd=128, block_size=n_new + 16, vocab_size=65)
+    m = forced(0.1, gcfg)
+    rows += decode_rows("dtrnet", m, device, args, {"rho_set": 0.1})
+    prompt = torch.zeros(1, 16, dtype=torch.long, device=device)
+    with torch.no_grad(), common.autocast(device, DTYPE):
+        logits, state = m.prefill(prompt)
+        for _ in range(n_new):
+            logits, state = m.step(logits.argmax(-1, keepdim=True), state)
+    held, full = dtrnet.kv_cache_bytes(state)
+    rows.append({"suite": "dtrnet", "what": "kv_cache", "B": 1, "T": n_new + 16, "rho_set": 0.1,
+                 "kv_bytes": held, "kv_bytes_dense": full, "kv_ratio": held / full})
     return rows
 
 

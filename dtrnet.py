@@ -304,21 +304,6 @@ class Model(common.LM):
             x = x + block.ffn_delta(x).to(x.dtype)
         return self.head(x)[0][:, -1], (caches, pos + 1)
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, return_cache=False):
-        """common.LM.generate. return_cache=True is bench.py's current call (one window, prompt + new tokens
-        <= block_size): also returns the final state for kv_cache_bytes. Remove once bench.py drives
-        prefill/step itself."""
-        if not return_cache:
-            return super().generate(idx, max_new_tokens, temperature, top_k, use_cache)
-        self.eval()
-        logits, state = self.prefill(idx)
-        for i in range(max_new_tokens):
-            idx = torch.cat([idx, common.sample_next(logits, temperature, top_k)], dim=1)
-            if i + 1 < max_new_tokens:
-                logits, state = self.step(idx[:, -1:], state)
-        return idx, state
-
 
 class RoutedKVCache:
     """K/V of one D layer for its routed tokens only, packed per row: row b holds n[b] valid slots in token
