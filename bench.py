@@ -186,8 +186,9 @@ def bench_hybrid(args, device):
         m = HA.Model(HA.Config(pattern=pattern, block_size=256)).to(device).eval()
         prompt = torch.randint(0, m.cfg.vocab_size, (1, prompt_len), device=device)
         t = timeit({"cached": lambda: m.generate(prompt, n_new, temperature=0),
-                    "uncached": lambda: common.LM.generate(m, prompt, n_new, temperature=0)}, device, reps, warmup=1)
-        rows.append({"suite": "hybrid", "what": "decode", "pattern": pattern, "new_tokens": n_new,
+                    "uncached": lambda: m.generate(prompt, n_new, temperature=0, use_cache=False)}, device, reps,
+                   warmup=1)
+        rows.append({"suite": "hybrid", "what": "decode_cache_vs_none", "pattern": pattern, "new_tokens": n_new,
                      "cached_tok_s": n_new / t["cached"], "uncached_tok_s": n_new / t["uncached"],
                      "speedup_cache": t["uncached"] / t["cached"]})
 
@@ -217,7 +218,9 @@ def bench_hybrid(args, device):
             rows.append({"suite": "hybrid", "what": "sparse_vs_dense_trained", "B": 8, "T": T,
                          "softmax_frac_first_routed": frac, "sparse_ms": 1e3 * t["sparse"],
                          "dense_ms": 1e3 * t["dense"], "speedup": t["dense"] / t["sparse"]})
-    return rows
+    torch.manual_seed(0)
+    m = HA.Model(HA.Config(pattern="G R R S", block_size=256 if not args.quick else 32)).to(device).eval()
+    return rows + decode_rows("hybrid", m, device, args, {"pattern": "G R R S"})
 
 
 # ----------------------------------------------------------------------------------------------------
