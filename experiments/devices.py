@@ -1,0 +1,117 @@
+"""
+The model × device × dtype table of results/devices.md (issue 16): for every (device, dtype) given, each
+model's contract tests (the `dev`-parametrised tests of tests/test_<model>.py: sparse == eval, causality,
+cached decode == full forward, a finite training step), its training step in ms/iter, and its sparse vs
+dense-hard forward ratio, on a trained classroom checkpoint when one is in out/<model>-classroom.
+
+  python experiments/devices.py                           # cpu fp32 and cpu bf16
+  python experiments/devices.py --device cuda --dtypes bf16 fp32
+
+Prints one markdown row per model × dtype, and writes them to --json.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+import train  # noqa: E402
+
+TEST_FILES = {"gpt": "test_common.py", "tsa": "test_tsa.py", "dtrnet": "test_dtrnet.py",
+              "conddepth": "test_conddepth.py", "hybrid": "test_hybrid_attn.py"}
+
+
+def contract(model, dev_id):
+    """Pass/fail counts of the model's tests parametrised with this (device, dtype)."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", dev_id,
+                        os.path.join("tests", TEST_FILES[model])], cwd=ROOT, capture_output=True, text=True)
+    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-200:]
+    n = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}
+    return n.get("passed", 0), n.get("failed", 0) + n.get("error", 0), n.get("skipped", 0)
+
+
+def timed(fn, device, repeats):
+    for _ in range(2):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        common.sync(device)
+        t = time.perf_counter()
+        fn()
+        common.sync(device)
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
+def speed(name, device, dtype, repeats):
+    """(train ms/iter at the classroom preset, sparse/dense-hard forward ratio, where the routing came from)."""
+    cfg, module, _ = train.parse_args(["--model", name, "--preset", "classroom", f"--device={device.type}"])
+    run = os.path.join(ROOT, "out", f"{name}-classroom")
+    routing = "untrained"
+    meta = common.prepare(cfg.dataset, cfg.data_dir)
+    cfg = train.resolve(cfg, meta)
+    model = module.Model(cfg).to(device)
+    if os.path.exists(os.path.join(run, "ckpt.pt")):
+        model.load_state_dict(common.load_checkpoint(os.path.join(run, "ckpt.pt"))["model"])
+        routing = "trained (out/%s-classroom)" % name
+    data = common.load_split(cfg.dataset, "val", cfg.data_dir)
+    x, y = common.get_batch(data, meta, cfg.batch_size, cfg.block_size, common.eval_rng(0, "val", 0), device)
+    opt = common.make_optimizer(model, cfg, device)
+
+    def step():
+        model.train()
+        with common.autocast(device, dtype):
+            _, loss, _ = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    ms = 1e3 * timed(step, device, repeats)
+    if name == "gpt":
+        return ms, float("nan"), "-"
+    if os.path.exists(os.path.join(run, "ckpt.pt")):  # the optimiser steps above moved the weights: reload
+        model.load_state_dict(common.load_checkpoint(os.path.join(run, "ckpt.pt"))["model"])
+    model.eval()
+    with torch.no_grad(), common.autocast(device, dtype):
+        sparse = timed(lambda: model(x, sparse=True), device, repeats)
+        dense = timed(lambda: model(x), device, repeats)
+    return ms, dense / sparse, routing
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    p.add_argument("--models", nargs="+", default=list(TEST_FILES))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    device = common.pick_device(args.device)
+    machine = f"{device.type}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
+                                  f" ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")
+    rows = []
+    print(f"| model | device | dtype | contract tests (pass / fail / skip) | train ms/iter (classroom) | "
+          f"sparse ÷ dense-hard speed | routing |\n|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes:
+        for name in args.models:
+            ok, bad, skip = contract(name, f"{device.type}-{dtype}")
+            ms, ratio, routing = speed(name, device, dtype, args.repeats)
+            row = dict(model=name, device=machine, dtype=dtype, passed=ok, failed=bad, skipped=skip,
+                       train_ms=ms, sparse_over_dense=ratio, routing=routing, torch=torch.__version__)
+            rows.append(row)
+            print(f"| {name} | {machine} | {dtype} | {ok} / {bad} / {skip} | {ms:.1f} | "
+                  f"{'–' if ratio != ratio else f'{ratio:.2f}×'} | {routing} |", flush=True)
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+
+
+if __name__ == "__main__":
+    main()
