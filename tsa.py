@@ -11,19 +11,35 @@ updates of every block after the stem.
     (6)  α = 1/(L−1) Σ_l mean(1 − p_l)                       (the mean active fraction)
     (7)  Δ = 1 − (1 + (L−1) α) / L                             (TLOps saved, common.tlops_saving)
 
-Inference (§3.6): a token with p_l > 0.5 halts at block l+1. eval() applies the hard decisions densely;
-`sparse=True` really skips the work: halted tokens skip the FFN (gather/scatter), and, beyond the paper,
-also their query / attention-output / output-projection work (their K/V are still computed, because
-active tokens attend to them). Active tokens use the full residual (`hard_variant=01`, the paper) or keep
-the soft scale 1 − p (`scaled`). Optional last phase: train with straight-through hard gates
-(`hard_ft_iters`) so that hard inference matches what was trained.
+Inference (§3.6): a token with p_l > 0.5 halts at block l+1 (for that block only; the next router decides
+again). eval() applies these hard decisions densely (the reference); `sparse=True` really skips the work
+and gives the same logits. A halted token skips the FFN and — beyond the paper — its query, attention and
+output projection; it still computes its K/V, because active tokens attend to every earlier token in every
+layer, exactly as in the dense eval forward. Cached decoding (prefill/step, used by common's generate)
+keeps these semantics: the cache of every layer holds the K/V of every token (halted ones included, from
+their state at that layer), and a halted token skips q / attention / c_proj / FFN at that layer, so decode
+saves (1 − α)·(q + attention + out-proj + FFN) per routed layer.
+
+Deviations from the paper (Config fields; `--preset paper` sets the paper's values):
+  * hard_ft_iters=250: the last 250 iterations (of the default 2250) train with straight-through hard
+    gates — forward = the eval gate, gradient = that of 1 − p — so that the hard routing inference runs is
+    the one the model was trained with (the paper trains soft only; results/tsa.md, issue 12).
+  * hard_variant="scaled": an active token keeps its soft scale 1 − p at inference (paper: "01", the full
+    update); better than "01" in every run of results/tsa.md.
+  * skip_queries=True: the sparse path also skips halted tokens' query / attention / out-projection work
+    (paper: dense attention, its residual gated by the same binary mask).
+  * the stats report what inference really skips (hard decisions), not only eq. (6)'s soft α. In eval,
+    alpha / active_r* are eq. (6) on the router outputs of the hard pass (with or without targets);
+    soft_loss / soft_alpha come from a soft pass (eqs. 3–4) on the same batch.
+The paper preset's lr 3e-4 → 3e-5, dropout 0.1 and no warm-up come from the authors' code
+(AhmedHamadto/TSA, scripts/phase6_language.py); the paper states none of them. Numerics: fp32 residual
+stream, router probabilities in fp32 under autocast (common.py's policy).
 
 Early-exit baseline (§3.5, App. D, `--variant=early_exit`): the same backbone with an exit head after each
 block (own LayerNorm + the tied embedding), trained on the mean CE of all exits; at inference a token exits
-when its max softmax probability exceeds `threshold` and its hidden state is frozen afterwards.
+when its max softmax probability exceeds `threshold` and its hidden state is frozen afterwards (it still
+provides K/V from the frozen state). It has no KV cache: its decode state is the token window.
 """
-import html
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -42,8 +58,8 @@ class Config(common.Config):
     router_bias: float = -1.0       # b2 init: σ(−1) ≈ 0.27, so routers start mostly open (§2.2)
     hard_variant: str = "scaled"    # eval gate of an active token: "01" (paper: 1) or "scaled" (1 − p)
     skip_queries: bool = True       # sparse path: halted tokens also skip Q / attention / out-proj
-    eval_soft: bool = True          # eval also runs the soft pass (reports soft_loss next to the hard loss)
-    hard_ft_iters: int = 0          # last iterations trained with straight-through hard gates
+    eval_soft: bool = True          # eval also runs the soft pass (soft_loss next to the hard loss)
+    hard_ft_iters: int = 250        # the last iterations train with straight-through hard gates (all if > max_iters)
     variant: str = "tsa"            # "tsa" | "early_exit" (the §3.5 baseline)
     threshold: float = 1.0          # early exit: exit when max softmax prob > threshold (1.0: never)
     model: str = "tsa"
@@ -56,18 +72,30 @@ class Config(common.Config):
             raise NanorouteError(f"hard_variant must be '01' or 'scaled', got {self.hard_variant!r}")
         if self.n_layer < 2:
             raise NanorouteError(f"TSA needs n_layer >= 2 (a stem and at least one routed block), got {self.n_layer}")
-        if self.lam < 0:
+        if not self.lam >= 0:  # also refuses nan
             raise NanorouteError(f"lam (λ) must be >= 0, got {self.lam}")
+        if not abs(self.router_bias) < float("inf"):
+            raise NanorouteError(f"router_bias must be finite, got {self.router_bias}")
         if not 0.0 <= self.threshold <= 1.0:
             raise NanorouteError(f"threshold must be in [0, 1], got {self.threshold}")
-        if not 0 <= self.hard_ft_iters <= self.max_iters:
-            raise NanorouteError(f"hard_ft_iters must be in [0, max_iters={self.max_iters}], got {self.hard_ft_iters}")
+        if self.hard_ft_iters < 0:
+            raise NanorouteError(f"hard_ft_iters must be >= 0, got {self.hard_ft_iters}")
 
 
-# The paper's Shakespeare setup (§3.2): d=256, L=6, H=8, d_ff=1024, ctx 128, batch 64, 5000 steps, AdamW
-# β=(0.9, 0.95), wd 0.1, cosine. The paper gives no LM learning rate; 1e-3 is our choice.
-PRESETS = {"paper": dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
-                         learning_rate=1e-3, min_lr=1e-4, beta2=0.95, weight_decay=0.1, dropout=0.0)}
+PRESETS = {
+    # The paper's Shakespeare setup (§3.2): d=256, L=6, H=8, d_ff=1024, ctx 128, batch 64, 5000 steps, AdamW
+    # β=(0.9, 0.95), wd 0.1, cosine; its sparse-TSA (§3.6: "01" gates, dense attention), soft training only.
+    # lr, min_lr, dropout and warm-up: the authors' code (see the docstring).
+    "paper": dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
+                  learning_rate=3e-4, min_lr=3e-5, warmup_iters=0, beta2=0.95, weight_decay=0.1, dropout=0.1,
+                  eval_interval=250, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=0),
+    # ≤ 3 minutes on a 2-core CPU; the last 300 iterations straight-through so the hard routing a student
+    # sees (routing_map) is the one the model was trained for.
+    "classroom": dict(common.CLASSROOM, hard_ft_iters=300),
+}
+
+
+QUERY_CHUNKS = 2  # sparse attention: packed queries in this many position ranges (fewer masked scores)
 
 
 class Router(nn.Module):
@@ -79,7 +107,20 @@ class Router(nn.Module):
         self.fc2 = nn.Linear(max(d // 4, 16), 1)
 
     def forward(self, h):
-        return torch.sigmoid(self.fc2(F.relu(self.fc1(h))))  # (B, T, 1): halting probability p_l
+        z = self.fc2(F.relu(self.fc1(h)))  # (B, T, 1) router logit (bf16 under autocast)
+        return torch.sigmoid(z.to(torch.promote_types(z.dtype, torch.float32)))  # p_l in fp32 (or fp64)
+
+
+def q_proj(attn, h):
+    """The query third of c_attn: (..., C) -> (..., C)."""
+    C, W, b = h.size(-1), attn.c_attn.weight, attn.c_attn.bias
+    return F.linear(h, W[:C], None if b is None else b[:C])
+
+
+def kv_proj(attn, h):
+    """The key and value thirds of c_attn: (..., C) -> k, v (..., C). Halted tokens need only these."""
+    C, W, b = h.size(-1), attn.c_attn.weight, attn.c_attn.bias
+    return F.linear(h, W[C:], None if b is None else b[C:]).split(C, dim=-1)
 
 
 class Model(common.LM):
@@ -122,56 +163,79 @@ class Model(common.LM):
         for router, block in zip(self.routers, self.blocks[1:]):
             p = router(x)  # (B, T, 1) p_l from the state after block l
             g = self.gate(p, mode)
-            x = x + g * block.attn_delta(x)  # eq. (3)
-            x = x + g * block.ffn_delta(x)   # eq. (4)
+            x = x + g * block.attn_delta(x).to(x.dtype)  # eq. (3)
+            x = x + g * block.ffn_delta(x).to(x.dtype)   # eq. (4)
             ps.append(p)
         return x, ps
 
-    def sparse_trunk(self, x):
-        """Same numbers as trunk(x, 'hard') but halted tokens skip work. Batched gather/scatter; the only
-        host syncs are the data-dependent sizes (how many tokens are active), one or two per block."""
+    def sparse_trunk(self, x, caches=None):
+        """Same numbers as trunk(x, 'hard'), but halted tokens skip work (batched gather/scatter over the
+        whole batch). One host sync per routed block: the sizes of the packed work. With caches (a list),
+        every layer's K/V of every token is appended to it (prefill)."""
         B, T, C = x.shape
-        x = self.blocks[0](x)
+        x = self.dense_block(self.blocks[0], x, caches)  # stem f0
+        ends = sorted({max(1, T * (j + 1) // QUERY_CHUNKS) for j in range(QUERY_CHUNKS)})  # query chunks by position
         ps = []
         for router, block in zip(self.routers, self.blocks[1:]):
-            p = router(x)                           # (B, T, 1)
-            g = self.gate(p, "hard")                # (B, T, 1), 0 for halted tokens
-            active = (p <= 0.5).squeeze(-1)         # (B, T)
-            idx = active.flatten().nonzero().squeeze(1)  # (N,) active tokens over the whole batch (host sync)
-            gi = g.reshape(B * T, 1).index_select(0, idx)  # (N, 1) their gates
-            if self.cfg.skip_queries:
-                x = self.sparse_attention(block, x, active, idx, gi)
-            else:  # the paper's sparse-TSA: dense attention, gated by the same binary mask
-                x = x + g * block.attn_delta(x)
-            if idx.numel():
-                xf = x.reshape(B * T, C)
+            p = router(x)                                     # (B, T, 1)
+            g = self.gate(p, "hard")                          # (B, T, 1), 0 for halted tokens
+            active = (p <= 0.5).view(B, T)                    # (B, T)
+            cs = active.cumsum(1)                             # (B, T) active tokens up to each position
+            n = cs[:, [e - 1 for e in ends]].diff(dim=1, prepend=cs.new_zeros(B, 1))  # (B, Q) per row and chunk
+            sizes = torch.cat([n.sum(0), n.amax(0)]).tolist()  # host sync: tokens per chunk, widest row per chunk
+            N = sum(sizes[:len(ends)])
+            idx = torch.nonzero_static(active.flatten(), size=N).squeeze(1)  # (N,) active tokens, row-major
+            gi = g.view(B * T, 1).index_select(0, idx)         # (N, 1) their gates
+            if self.cfg.skip_queries or caches is not None:
+                x = self.sparse_attention(block, x, cs, idx, gi, ends, sizes, caches)
+            else:  # the paper's sparse-TSA: dense attention, residual gated by the same binary mask
+                x = x + g * block.attn_delta(x).to(x.dtype)
+            if N:
+                xf = x.view(B * T, C)
                 delta = block.ffn_delta(xf.index_select(0, idx))  # (N, C) FFN on active tokens only
-                x = xf.index_add(0, idx, delta * gi).view(B, T, C)
+                x = xf.index_add(0, idx, delta.to(x.dtype) * gi).view(B, T, C)
             ps.append(p)
         return x, ps
 
-    def sparse_attention(self, block, x, active, idx, gi):
+    def dense_block(self, block, x, caches):
+        """The stem: the plain block; with caches, also its K/V appended (prefill)."""
+        if caches is None:
+            return block(x)
+        q, k, v = block.attn.qkv(block.ln_1(x))  # 3 × (B, nh, T, hs)
+        caches.append(common.KVCache(x.size(0), self.cfg.block_size, k, v))
+        x = x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype)
+        return x + block.ffn_delta(x).to(x.dtype)
+
+    def sparse_attention(self, block, x, cs, idx, gi, ends, sizes, caches=None):
         """K/V for every token (active queries attend to halted tokens too); Q and c_proj only for the N
-        active tokens (flattened over the batch); attention on them packed to the front of each row,
-        (B, Tq) with Tq = the most active tokens in any row, with an explicit causal mask by position."""
+        active tokens, flattened over the batch. For attention they are packed to the front of each row under
+        an explicit causal mask by position, in QUERY_CHUNKS position ranges so that the queries of [lo, hi)
+        see only keys [0, hi) (most of the masked half of the scores is skipped). Integer indices only: no
+        boolean-mask indexing, no host sync here."""
         B, T, C = x.shape
-        attn = block.attn
-        h = block.ln_1(x)                                                    # (B, T, C)
-        W, b = attn.c_attn.weight, attn.c_attn.bias
-        k, v = F.linear(h, W[C:], None if b is None else b[C:]).chunk(2, dim=-1)  # 2 × (B, T, C)
-        n = active.sum(1)                                                    # (B,) active per row
-        Tq = int(n.max())  # host sync: the packed width depends on the routing
-        if Tq == 0:
+        attn, Q = block.attn, len(ends)
+        h = block.ln_1(x)                                                     # (B, T, C)
+        k, v = (attn.split_heads(t) for t in kv_proj(attn, h))                # 2 × (B, nh, T, hs)
+        if caches is not None:
+            caches.append(common.KVCache(B, self.cfg.block_size, k, v))
+        if idx.numel() == 0:
             return x
-        pos = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :Tq]  # (B, Tq) active first, in order
-        valid = torch.arange(Tq, device=x.device)[None, :] < n[:, None]      # (B, Tq) real vs padding
-        q = F.linear(h.reshape(B * T, C).index_select(0, idx), W[:C], None if b is None else b[:C])  # (N, C)
-        qp = q.new_zeros(B, Tq, C)
-        qp[valid] = q  # row-major order of valid slots == order of idx (stable sort keeps positions)
-        mask = torch.arange(T, device=x.device)[None, None, :] <= pos[:, :, None]  # (B, Tq, T) causal by position
-        y = attn.attend(attn.split_heads(qp), attn.split_heads(k), attn.split_heads(v), mask[:, None])  # (B, Tq, C)
-        delta = attn.c_proj(y[valid])                                        # (N, C)
-        return x.reshape(B * T, C).index_add(0, idx, delta * gi).view(B, T, C)
+        q = q_proj(attn, h.view(B * T, C).index_select(0, idx))              # (N, C) active queries only
+        t, row = idx % T, idx // T                                            # (N,) position and row
+        y, lo = torch.empty_like(q), 0
+        for hi, Nj, Wj in zip(ends, sizes[:Q], sizes[Q:]):
+            if Nj:  # the Nj active queries at positions [lo, hi), packed into (B, Wj), attend to keys [0, hi)
+                sel = torch.nonzero_static((t >= lo) & (t < hi), size=Nj).squeeze(1)  # (Nj,) which of the N
+                r, tj = row[sel], t[sel]
+                slot = r * Wj + cs[r, tj] - 1 - (cs[r, lo - 1] if lo else 0)  # (Nj,) place in the packed rows
+                qp = q.new_zeros(B * Wj, C).index_copy_(0, slot, q[sel]).view(B, Wj, C)
+                pos = t.new_zeros(B * Wj).index_copy_(0, slot, tj).view(B, Wj)  # padding slots: position 0
+                mask = torch.arange(hi, device=x.device) <= pos[:, :, None]     # (B, Wj, hi) causal by position
+                yj = attn.attend(attn.split_heads(qp), k[:, :, :hi], v[:, :, :hi], mask[:, None])  # (B, Wj, C)
+                y[sel] = yj.reshape(B * Wj, C)[slot]
+            lo = hi
+        delta = attn.c_proj(y)                                                # (N, C)
+        return x.view(B * T, C).index_add(0, idx, delta.to(x.dtype) * gi).view(B, T, C)
 
     # ------------------------------------------------------------------------------------------------
 
@@ -186,25 +250,82 @@ class Model(common.LM):
         else:
             h, ps = self.trunk(x, "hard" if not self.training else "hard_st" if self.hard_train else "soft")
         logits, lm_loss = self.head(h, targets)
-        stats = {}
-        if not self.training:  # what inference executed: the hard active fraction per router
-            hard = [(p <= 0.5).to(p.dtype).mean() for p in ps]
-            stats.update({f"hard_r{l}": a.detach() for l, a in enumerate(hard)})
-            stats["alpha_hard"] = torch.stack(hard).mean()
-            stats["tlops_saved_hard"] = common.tlops_saving(stats["alpha_hard"], self.cfg.n_layer)
-            if self.cfg.eval_soft and targets is not None and not sparse:  # soft quality, soft α
-                hs, ps = self.trunk(x, "soft")
-                stats["soft_loss"] = self.head(hs, targets)[1]
+        # eqs. (5)–(7) on the router outputs of the pass that produced the logits (soft in training, hard in eval)
         active = torch.stack([(1.0 - p).mean() for p in ps])  # (L−1,) mean(1 − p_l)
         alpha = active.mean()                                # eq. (6)
         depth_loss = self.cfg.lam * alpha                    # eq. (5): the same mean, times λ
-        stats.update({f"active_r{l}": a.detach() for l, a in enumerate(active)})
+        stats = {f"active_r{l}": a.detach() for l, a in enumerate(active)}
         stats.update(alpha=alpha.detach(), tlops_saved=common.tlops_saving(alpha.detach(), self.cfg.n_layer),
                      depth_loss=depth_loss.detach())
+        if not self.training:  # what inference executed, and the training computation next to it
+            stats.update(self.hard_stats([(p <= 0.5).to(p.dtype).mean() for p in ps], idx.size(1)))
+            if self.cfg.eval_soft and targets is not None and not sparse:
+                hs, ps_soft = self.trunk(x, "soft")
+                stats["soft_loss"] = self.head(hs, targets)[1]
+                stats["soft_alpha"] = torch.stack([(1.0 - p).mean() for p in ps_soft]).mean()
         if targets is None:
             return logits, None, stats
         stats["lm_loss"] = lm_loss.detach()
         return logits, lm_loss + depth_loss, stats
+
+    def hard_stats(self, hard, T):
+        """hard: the L−1 fractions of tokens that ran block l+1. The common names (skip_l{i} by block index,
+        skipped, flops_saved_hard) and TSA's own (hard_r{l}, alpha_hard, tlops_saved_hard)."""
+        L, a = self.cfg.n_layer, torch.stack(hard).mean()
+        mode = "exit" if self.cfg.variant == "early_exit" else "query" if self.cfg.skip_queries else "ffn"
+        stats = {f"hard_r{l}": h for l, h in enumerate(hard)}
+        stats.update({f"skip_l{l + 1}": 1.0 - h for l, h in enumerate(hard)})
+        stats.update(alpha_hard=a, tlops_saved_hard=common.tlops_saving(a, L), skipped=1.0 - a,
+                     flops_saved_hard=1.0 - flops_per_token(self.cfg, T, a, mode) / common.dense_flops_per_token(self.cfg, T))
+        return stats
+
+    # ------------------------------------------------------------------------------------------------
+    # Cached decoding (common.LM.generate): hard routing, the same decisions as the eval forward
+
+    @torch.no_grad()
+    def prefill(self, idx):
+        """idx (B, T) -> (logits (B, V) of the last position, state); one sparse forward filling the caches."""
+        if self.cfg.variant == "early_exit":  # no cache: the state is the window itself
+            return self(idx)[0][:, -1], idx
+        caches = []
+        h, _ = self.sparse_trunk(self.embed(idx), caches)
+        return self.head(h[:, -1:])[0][:, -1], (caches, idx.size(1))
+
+    @torch.no_grad()
+    def step(self, tok, state):
+        """tok (B, 1): one new token at position pos -> (logits (B, V), state)."""
+        if self.cfg.variant == "early_exit":
+            idx = torch.cat([state, tok], dim=1)
+            return self(idx)[0][:, -1], idx
+        caches, pos = state
+        x = self.wte(tok) + self.wpe.weight[pos]  # (B, 1, C)
+        x = self.decode_block(self.blocks[0], caches[0], x, pos, None)
+        for router, block, cache in zip(self.routers, self.blocks[1:], caches[1:]):
+            x = self.decode_block(block, cache, x, pos, router(x))
+        return self.head(x)[0][:, -1], (caches, pos + 1)
+
+    def decode_block(self, block, cache, x, pos, p):
+        """x (B, 1, C); p (B, 1, 1) halting probabilities, or None for the stem. Every row writes its K/V; only
+        the active rows run c_proj and the FFN. q and attention run for every row unless all rows halt (at
+        B=1: whenever the token halts): a halted row's query is cheaper to drop than its cache to gather."""
+        attn, h, B = block.attn, block.ln_1(x), x.size(0)                 # (B, 1, C)
+        active = None if p is None else p.view(B) <= 0.5
+        n = B if p is None else int(active.sum())  # host sync: how many rows run the block at this step
+        if n == 0:
+            cache.append(pos, *(attn.split_heads(t) for t in kv_proj(attn, h)))  # all halted: K/V only
+            return x
+        q, k, v = attn.qkv(h)                                              # 3 × (B, nh, 1, hs)
+        k, v = cache.append(pos, k, v)                                     # (B, nh, pos + 1, hs)
+        y = attn.attend(q, k, v, causal=False)                             # (B, 1, C)
+        g = 1.0 if p is None or self.cfg.hard_variant == "01" else 1.0 - p  # the gate of an active row
+        if n == B:
+            x = x + g * attn.c_proj(y).to(x.dtype)
+            return x + g * block.ffn_delta(x).to(x.dtype)
+        rows = active.nonzero().squeeze(1)                                 # (B',) a mixed batch: active rows
+        xa, ga = x[rows], g if isinstance(g, float) else g[rows]           # (B', 1, C)
+        xa = xa + ga * attn.c_proj(y[rows]).to(x.dtype)
+        xa = xa + ga * block.ffn_delta(xa).to(x.dtype)
+        return x.index_copy(0, rows, xa)
 
     # ------------------------------------------------------------------------------------------------
     # early-exit baseline (§3.5)
@@ -215,7 +336,7 @@ class Model(common.LM):
     def exit_forward(self, x, targets):
         """Train: mean CE over all L exits. Eval: confidence exit with frozen hidden states; the stats
         count block l+1 as active for the tokens that have not exited after block l (same α as TSA)."""
-        L, stats = self.cfg.n_layer, {}
+        stats = {}
         if self.training:
             losses = []
             for l, block in enumerate(self.blocks):
@@ -228,25 +349,51 @@ class Model(common.LM):
             loss = torch.stack(losses).mean()
             stats.update(lm_loss=losses[-1].detach(), exit_loss=loss.detach())
             return logits, loss, stats
-        done = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, T) exited already
-        active, out = [], None
-        for l, block in enumerate(self.blocks):
-            x = torch.where(done[..., None], x, block(x))  # exited tokens keep (freeze) their state
-            logits = self.lm_head(self.exit_norm(l)(x))     # (B, T, V)
-            out = logits if out is None else torch.where(done[..., None], out, logits)
-            if l < L - 1:
-                conf = F.softmax(logits.float(), dim=-1).amax(-1)  # (B, T) max softmax probability
-                done = done | (conf > self.threshold)
-                active.append((~done).to(x.dtype).mean())
-        alpha = torch.stack(active).mean()
-        stats.update({f"hard_r{l}": a for l, a in enumerate(active)})
-        stats.update(alpha=alpha, alpha_hard=alpha, tlops_saved=common.tlops_saving(alpha, L),
-                     tlops_saved_hard=common.tlops_saving(alpha, L))
+        out, actives = self.exit_infer(x)
+        hard = [a.to(x.dtype).mean() for a in actives]
+        alpha = torch.stack(hard).mean()
+        stats.update(self.hard_stats(hard, x.size(1)))
+        stats.update(alpha=alpha, tlops_saved=common.tlops_saving(alpha, self.cfg.n_layer))
         if targets is None:
             return out, None, stats
         lm_loss = F.cross_entropy(out.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         stats["lm_loss"] = lm_loss.detach()
         return out, lm_loss, stats
+
+    def exit_infer(self, x):
+        """-> logits of each token's exit (B, T, V), and for l = 0..L−2 the (B, T) mask of the tokens that
+        run block l+1 (not exited after block l). Exited tokens keep (freeze) their hidden state."""
+        L = self.cfg.n_layer
+        done = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, T) exited already
+        actives, out = [], None
+        for l, block in enumerate(self.blocks):
+            x = torch.where(done[..., None], x, block(x))
+            logits = self.lm_head(self.exit_norm(l)(x))     # (B, T, V)
+            out = logits if out is None else torch.where(done[..., None], out, logits)
+            if l < L - 1:
+                conf = F.softmax(logits.float(), dim=-1).amax(-1)  # (B, T) max softmax probability
+                done = done | (conf > self.threshold)              # an exited token never comes back
+                actives.append(~done)
+        return out, actives
+
+    # ------------------------------------------------------------------------------------------------
+    # Routing picture (contract 4, Fig. 4)
+
+    @torch.no_grad()
+    def routing_map(self, idx):
+        """idx (1, T) -> (m (L, T) on CPU, rows, legend): row 0 the fraction of the L−1 routed blocks each
+        token ran, then one row per routed block (1 = ran it) — the hard decisions inference takes."""
+        was_training = self.training
+        self.eval()
+        x = self.embed(idx)
+        if self.cfg.variant == "early_exit":
+            actives = self.exit_infer(x)[1]
+        else:
+            actives = [p <= 0.5 for p in self.trunk(x, "hard")[1]]
+        self.train(was_training)
+        m = torch.stack([a.reshape(-1) for a in actives]).float().cpu()  # (L−1, T)
+        rows = ["depth: share of routed layers run"] + [f"layer {l + 1}" for l in range(len(actives))]
+        return torch.cat([m.mean(0, keepdim=True), m]), rows, ("halted", "active")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,20 +406,24 @@ def flops_router(d):
 
 def flops_per_token(cfg, T, alpha=1.0, mode="dense"):
     """mode: dense (the plain GPT), soft (every block runs + routers), ffn (paper's sparse-TSA: halted
-    tokens skip the FFN), query (ours: halted tokens also skip Q, attention and c_proj). α = active fraction."""
-    d, mean_ctx = cfg.n_embd, common.mean_context(T)
-    attn = common.flops_qkv(d) + common.flops_attn_out(d) + common.flops_attn_scores(d, mean_ctx)
-    ffn = common.flops_ffn(d, 4 * d)
+    tokens skip the FFN), query (ours: halted tokens also skip Q, attention and c_proj; K/V still run),
+    exit (early exit: like query, with an exit head instead of a router). α = active fraction."""
+    d, L = cfg.n_embd, cfg.n_layer
     if mode == "dense":
         return common.dense_flops_per_token(cfg, T)
-    routed = {"soft": attn + ffn, "ffn": attn + alpha * ffn,
-              "query": common.flops_qkv(d) * 2 / 3 + alpha * (attn - common.flops_qkv(d) * 2 / 3 + ffn)}[mode]
-    L = cfg.n_layer
-    return attn + ffn + (L - 1) * (routed + flops_router(d)) + common.flops_lm_head(d, cfg.vocab_size)
+    q = common.flops_qkv(d) / 3
+    kv = 2 * q  # K and V: every token, also a halted one (later queries attend to it)
+    per_query = q + common.flops_attn_out(d) + common.flops_attn_scores(d, common.mean_context(T))
+    ffn = common.flops_ffn(d, 4 * d)
+    head = common.flops_lm_head(d, cfg.vocab_size)
+    routed = {"soft": kv + per_query + ffn, "ffn": kv + per_query + alpha * ffn,
+              "query": kv + alpha * (per_query + ffn), "exit": kv + alpha * (per_query + ffn)}[mode]
+    decide = head * (1 + (L - 2) * alpha) / (L - 1) if mode == "exit" else flops_router(d)  # per routed block
+    return kv + per_query + ffn + (L - 1) * (routed + decide) + head
 
 
 # ----------------------------------------------------------------------------------------------------
-# Tools: early-exit threshold sweep, routing picture (Fig. 4)
+# Tools: early-exit threshold sweep
 
 @torch.no_grad()
 def exit_sweep(model, data, meta, cfg, device, thresholds=None):
@@ -287,33 +438,6 @@ def exit_sweep(model, data, meta, cfg, device, thresholds=None):
     return rows
 
 
-@torch.no_grad()
-def routing_picture(model, idx, meta, out_dir=None):
-    """Per-token active fraction 1 − p_l of each router (soft pass) over one passage: returns ANSI text
-    (green = active, red = halted) and writes a self-contained routing.html into out_dir."""
-    model.eval()
-    x, ps = model.trunk(model.embed(idx[None]), "soft")
-    chars = [common.decode(meta, [i]) for i in idx.tolist()]
-    rgb = lambda a: (int(255 * (1 - a)), int(200 * a), 60)
-    lines, rows = [], []
-    for l, p in enumerate(ps):
-        a = (1 - p[0, :, 0]).tolist()
-        txt = "".join(f"\x1b[48;2;{r};{g};{b}m{c if c != chr(10) else '⏎'}" for c, (r, g, b) in zip(chars, map(rgb, a)))
-        lines.append(f"r{l} (mean {sum(a) / len(a):.3f}) {txt}\x1b[0m")
-        spans = "".join(f'<span style="background:rgb{rgb(v)}" title="{v:.3f}">'
-                        f'{html.escape(c) if c != chr(10) else "⏎"}</span>' for c, v in zip(chars, a))
-        rows.append(f"<h3>router r{l}: mean active {sum(a) / len(a):.3f}</h3><pre>{spans}</pre>")
-    path = None
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, "routing.html")
-        with open(path, "w") as f:
-            f.write("<!doctype html><meta charset=utf-8><title>TSA routing</title><body style='font-family:mono"
-                    "space'><p>Per-token active fraction 1 − p<sub>l</sub> (green: active, red: halted)</p>"
-                    + "".join(rows) + "</body>")
-    return "\n".join(lines), path
-
-
 def load_run(run_dir):
     ckpt = common.load_checkpoint(os.path.join(run_dir, "ckpt.pt"))
     cfg = Config(**ckpt["config"])
@@ -323,23 +447,16 @@ def load_run(run_dir):
 
 
 def main(argv):
-    """python tsa.py picture RUN_DIR | python tsa.py exit_sweep RUN_DIR"""
-    if len(argv) != 2 or argv[0] not in ("picture", "exit_sweep"):
-        raise NanorouteError("usage: python tsa.py {picture,exit_sweep} RUN_DIR")
+    """python tsa.py exit_sweep RUN_DIR"""
+    if len(argv) != 2 or argv[0] != "exit_sweep":
+        raise NanorouteError("usage: python tsa.py exit_sweep RUN_DIR  (an early-exit run)")
     model, cfg = load_run(argv[1])
+    if cfg.variant != "early_exit":
+        raise NanorouteError("exit_sweep needs an early-exit run (variant=early_exit)")
     meta = common.load_meta(cfg.dataset, cfg.data_dir)
     val = common.load_split(cfg.dataset, "val", cfg.data_dir)
-    if argv[0] == "picture":
-        if cfg.variant != "tsa":
-            raise NanorouteError("picture needs a TSA run (variant=tsa)")
-        idx = torch.tensor(val[:min(cfg.block_size, 128)].astype("int64"))
-        text, path = routing_picture(model, idx, meta, argv[1])
-        print(text + f"\nwrote {path}")
-    else:
-        if cfg.variant != "early_exit":
-            raise NanorouteError("exit_sweep needs an early-exit run (variant=early_exit)")
-        for r in exit_sweep(model, val, meta, cfg, torch.device("cpu")):
-            print(" ".join(f"{k}={v:.4f}" for k, v in r.items()), flush=True)
+    for r in exit_sweep(model, val, meta, cfg, torch.device("cpu")):
+        print(" ".join(f"{k}={v:.4f}" for k, v in r.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ P="--dataset shakespeare --n_layer=6 --n_head=4 --n_embd=64 --block_size=128 --b
    --warmup_iters=100 --learning_rate=1e-3 --min_lr=1e-4 --beta2=0.95 --weight_decay=0.1
    --eval_interval=1000 --eval_iters=20 --log_interval=250"
 D="--dataset shakespeare"
+SOFT="--hard_ft_iters=0"  # these runs predate the straight-through phase in tsa.py's default schedule
 
 run() {  # run NAME ARGS...: train, then the final eval (tsa_eval.py, 30 fixed val batches)
   local name=$1; shift
@@ -40,9 +41,9 @@ ft() {  # ft NAME FROM ITERS MODEL [ARGS...]: continue FROM for ITERS iterations
 }
 
 run P_dense_s$S   --model gpt $P
-run P_lam0.001_s$S --model tsa $P --lam=0.001
+run P_lam0.001_s$S --model tsa $P $SOFT --lam=0.001
 run D_dense_s$S   --model gpt $D
-run D_lam0.001_s$S --model tsa $D --lam=0.001
+run D_lam0.001_s$S --model tsa $D $SOFT --lam=0.001
 # hard-gate phases: λ=0.001 as trained, and larger λ to push p over 0.5 (the soft routers at λ=0.001 scale
 # tokens by ~1 − p ≈ 0.7–0.8 but hardly ever halt one)
 for lam in 0.001 0.01 0.05; do
@@ -53,8 +54,8 @@ for lam in 0.001 0.01; do
   ft D_hardft_lam${lam}_s$S D_lam0.001_s$S 250 tsa --lam=$lam --hard_ft_iters=250
 done
 ft D_densecont_s$S D_dense_s$S    250 gpt
-run D_lam0_s$S     --model tsa $D --lam=0
+run D_lam0_s$S     --model tsa $D $SOFT --lam=0
 echo "all done $(date -u +%T)"
 # added last: does a larger λ make the routers halt at the paper's budget? (paper: λ=0.05 → α=0.395)
-run P_lam0.05_s$S  --model tsa $P --lam=0.05
+run P_lam0.05_s$S  --model tsa $P $SOFT --lam=0.05
 echo "lam0.05 done $(date -u +%T)"

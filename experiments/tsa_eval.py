@@ -3,8 +3,9 @@ Final evaluation of finished runs for results/tsa.md: one JSON line per run appe
 
   python experiments/tsa_eval.py out/tsa/dense_s1 out/tsa/lam0.001_s1 ... --out /work/runs/tsa/eval.jsonl
 
-gpt runs: val loss. TSA runs: soft val loss, hard val loss for both eval variants (01 / scaled), soft α,
-hard α (fraction executed), max |sparse − eval| logits on one batch and the sparse val loss.
+gpt runs: val loss. TSA runs: soft val loss, hard val loss for both eval variants (01 / scaled), soft α
+(eq. 6 on the soft pass), hard α (fraction executed), max |sparse − eval| logits on one batch and the sparse
+val loss. --eval_seed evaluates on another seed's fixed batches (e.g. 1337, the README's dense GPT run).
 Early-exit runs: the threshold sweep (α, val loss). All with --eval_iters fixed batches of the run's batch size.
 """
 import argparse
@@ -33,19 +34,31 @@ def load(run):
     return model.eval(), cfg, ckpt["iter"]
 
 
+@torch.no_grad()
+def soft_active(model, val, meta, cfg):
+    """Per-router soft mean(1 − p_l) (the terms of eq. 6) on the same fixed val batches as estimate_loss."""
+    total = 0
+    for k in range(cfg.eval_iters):
+        x, _ = common.get_batch(val, meta, cfg.batch_size, cfg.block_size, common.eval_rng(cfg.seed, "val", k))
+        total = total + torch.stack([(1 - p).mean() for p in model.trunk(model.embed(x), "soft")[1]])
+    return (total / cfg.eval_iters).tolist()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--out", required=True)
     ap.add_argument("--eval_iters", type=int, default=50)
+    ap.add_argument("--eval_seed", type=int, default=None)
     a = ap.parse_args()
     dev = torch.device("cpu")
     for run in a.runs:
         model, cfg, it = load(run)
-        cfg = dataclasses.replace(cfg, eval_iters=a.eval_iters)
+        train_seed = cfg.seed
+        cfg = dataclasses.replace(cfg, eval_iters=a.eval_iters, seed=cfg.seed if a.eval_seed is None else a.eval_seed)
         meta = common.load_meta(cfg.dataset, cfg.data_dir)
         val = common.load_split(cfg.dataset, "val", cfg.data_dir)
-        rec = {"run": run, "model": cfg.model, "iter": it, "seed": cfg.seed, "dataset": cfg.dataset,
+        rec = {"run": run, "model": cfg.model, "iter": it, "seed": train_seed, "eval_seed": cfg.seed, "dataset": cfg.dataset,
                "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "tokens": it * cfg.batch_size * cfg.block_size}
         if cfg.model == "gpt":
             ev = common.estimate_loss(model, val, meta, cfg, dev)
@@ -58,9 +71,9 @@ def main():
                 model.cfg.hard_variant = hv
                 ev = common.estimate_loss(model, val, meta, cfg, dev)
                 rec.update({f"hard_loss_{hv}": ev["loss"], f"acc_{hv}": ev["acc"], "soft_loss": ev["soft_loss"],
-                            "alpha": ev["alpha"], "tlops_saved": ev["tlops_saved"], "alpha_hard": ev["alpha_hard"],
-                            "tlops_saved_hard": ev["tlops_saved_hard"],
-                            "active": [ev[f"active_r{l}"] for l in range(cfg.n_layer - 1)],
+                            "alpha": ev["soft_alpha"], "tlops_saved": common.tlops_saving(ev["soft_alpha"], cfg.n_layer),
+                            "alpha_hard": ev["alpha_hard"], "tlops_saved_hard": ev["tlops_saved_hard"],
+                            "active": soft_active(model, val, meta, cfg),
                             "hard_active": [ev[f"hard_r{l}"] for l in range(cfg.n_layer - 1)]})
             model.cfg.hard_variant = cfg.hard_variant
             x, _ = common.get_batch(val, meta, cfg.batch_size, cfg.block_size, common.eval_rng(cfg.seed, "val", 0))
