@@ -389,8 +389,19 @@ def bench_tsa(args, device):
         measure("infer_batch_scaling", 0.73, Bs, ["dense", "sparse_ffn", "sparse_query"], batch(cfg, Bs, T, device)[0])
     for r, orig in zip(model.routers, originals):
         r.forward = orig
-
-    return rows
+    # decode: the real routers, each output bias shifted so that a share α = 0.73 of a batch's tokens is
+    # active there (the decision is a function of the token's state, so it holds at decode too)
+    x = batch(cfg, 8, T, device, seed=2)[0]
+    with torch.no_grad():
+        for r in model.routers:  # in order: each calibration sees the previous routers' final decisions
+            z = []
+            hook = r.fc2.register_forward_hook(lambda mod, inp, out: z.append(out.flatten().float()))
+            model.trunk(model.embed(x), "hard")
+            hook.remove()
+            r.fc2.bias -= z[0].quantile(0.73)  # active: p <= 0.5, i.e. logit <= the α-quantile
+        a_hard = model.eval()(x)[2]["alpha_hard"].item()
+    ideal = common.dense_flops_per_token(cfg, T) / tsa.flops_per_token(cfg, T, a_hard, "query")
+    return rows + decode_rows("tsa", model, device, args, {"alpha": a_hard, "flops_ideal": ideal})
 
 
 # ----------------------------------------------------------------------------------------------------
