@@ -372,6 +372,20 @@ class Block(nn.Module):
         x = x + self.attn_delta(x)
         return x + self.ffn_delta(x)
 
+    def prefill(self, x, block_size):
+        """forward(x) that also returns this block's K/V in a KVCache (cached decoding)."""
+        q, k, v = self.attn.qkv(self.ln_1(x))  # 3 × (B, nh, T, hs)
+        cache = KVCache(x.size(0), block_size, k, v)
+        x = x + self.attn.c_proj(self.attn.attend(q, k, v)).to(x.dtype)
+        return x + self.ffn_delta(x).to(x.dtype), cache
+
+    def step(self, x, cache, pos):
+        """One new token x (B, 1, C) at position pos against the cache of its past."""
+        q, k, v = self.attn.qkv(self.ln_1(x))  # 3 × (B, nh, 1, hs)
+        k, v = cache.append(pos, k, v)        # (B, nh, pos + 1, hs)
+        x = x + self.attn.c_proj(self.attn.attend(q, k, v, causal=False)).to(x.dtype)
+        return x + self.ffn_delta(x).to(x.dtype)
+
 
 class LM(nn.Module):
     """Embeddings, final norm, tied head, init and sampling: what every model here shares."""
@@ -480,24 +494,18 @@ class Model(LM):
 
     @torch.no_grad()
     def prefill(self, idx):
-        B, T = idx.shape
         x, caches = self.embed(idx), []  # (B, T, C)
         for block in self.blocks:
-            q, k, v = block.attn.qkv(block.ln_1(x))  # 3 × (B, nh, T, hs)
-            caches.append(KVCache(B, self.cfg.block_size, k, v))
-            x = x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype)
-            x = x + block.ffn_delta(x).to(x.dtype)
-        return self.head(x[:, -1:])[0][:, -1], (caches, T)
+            x, cache = block.prefill(x, self.cfg.block_size)
+            caches.append(cache)
+        return self.head(x[:, -1:])[0][:, -1], (caches, idx.size(1))
 
     @torch.no_grad()
     def step(self, tok, state):
         caches, pos = state
         x = self.wte(tok) + self.wpe.weight[pos]  # (B, 1, C)
         for block, cache in zip(self.blocks, caches):
-            q, k, v = block.attn.qkv(block.ln_1(x))  # 3 × (B, nh, 1, hs)
-            k, v = cache.append(pos, k, v)          # (B, nh, pos + 1, hs)
-            x = x + block.attn.c_proj(block.attn.attend(q, k, v, causal=False)).to(x.dtype)
-            x = x + block.ffn_delta(x).to(x.dtype)
+            x = block.step(x, cache, pos)
         return self.head(x)[0][:, -1], (caches, pos + 1)
 
 

@@ -271,10 +271,8 @@ class Model(common.LM):
                 x, _, delta, kv = block(x, packed=True)
                 caches.append(RoutedKVCache(delta.sum(1), self.cfg.block_size, *(kv or ())))
             else:
-                q, k, v = block.attn.qkv(block.ln_1(x))  # 3 × (B, nh, T, hs)
-                caches.append(common.KVCache(B, self.cfg.block_size, k, v))
-                x = x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype)
-                x = x + block.ffn_delta(x).to(x.dtype)
+                x, cache = block.prefill(x, self.cfg.block_size)
+                caches.append(cache)
         return self.head(x[:, -1:])[0][:, -1], (caches, T)
 
     @torch.no_grad()
@@ -285,22 +283,20 @@ class Model(common.LM):
             raise NanorouteError(f"position {pos} is past block_size {self.cfg.block_size}: prefill a new window")
         x = self.wte(tok) + self.wpe.weight[pos]  # (B, 1, C)
         for block, cache in zip(self.blocks, caches):
+            if not isinstance(block, DTRBlock):
+                x = block.step(x, cache, pos)
+                continue
             h = block.ln_1(x)
-            if isinstance(block, DTRBlock):
-                g_attn, g_bypass, delta = block.route(x)  # (B, 1)
-                v = block.proj(h, "v")                    # (B, 1, C)
-                a = v
-                if delta.any():  # host sync (one per D layer): a token no row routes skips Q, K and attention
-                    split = block.attn.split_heads
-                    q, k = block.proj(h, "qk").chunk(2, dim=-1)                # 2 × (B, 1, C)
-                    K, V, valid = cache.append(split(k), split(v), delta[:, 0])  # (B, nh, L, hs), (B, L)
-                    # a bypassed row's result is dropped by mix(); letting it see every slot avoids all -inf
-                    a = block.attn.attend(split(q), K, V, (valid | ~delta)[:, None, None, :])  # (B, 1, C)
-                x = x + block.mix(a, h, v, delta, g_attn, g_bypass)
-            else:
-                q, k, v = block.attn.qkv(h)     # 3 × (B, nh, 1, hs)
-                k, v = cache.append(pos, k, v)  # (B, nh, pos + 1, hs)
-                x = x + block.attn.c_proj(block.attn.attend(q, k, v, causal=False)).to(x.dtype)
+            g_attn, g_bypass, delta = block.route(x)  # (B, 1)
+            v = block.proj(h, "v")                    # (B, 1, C)
+            a = v
+            if delta.any():  # host sync (one per D layer): a token no row routes skips Q, K and attention
+                split = block.attn.split_heads
+                q, k = block.proj(h, "qk").chunk(2, dim=-1)                # 2 × (B, 1, C)
+                K, V, valid = cache.append(split(k), split(v), delta[:, 0])  # (B, nh, L, hs), (B, L)
+                # a bypassed row's result is dropped by mix(); letting it see every slot avoids all -inf
+                a = block.attn.attend(split(q), K, V, (valid | ~delta)[:, None, None, :])  # (B, 1, C)
+            x = x + block.mix(a, h, v, delta, g_attn, g_bypass)
             x = x + block.ffn_delta(x).to(x.dtype)
         return self.head(x)[0][:, -1], (caches, pos + 1)
 
