@@ -32,8 +32,8 @@ RUNS = {  # name -> (model, flags): dense line first, then two operating points 
     "gpt-L4": ("gpt", {"n_layer": 4}),
     "gpt-L3": ("gpt", {"n_layer": 3}),
     "gpt-L2": ("gpt", {"n_layer": 2}),
-    "tsa-lam0.01": ("tsa", {"lam": 0.01}),
-    "tsa-lam0.1": ("tsa", {"lam": 0.1}),
+    "tsa-lam0.01": ("tsa", {"lam": 0.01, "hard_ft_iters": 0}),  # as in the table; the new default: results/tsa.md
+    "tsa-lam0.1": ("tsa", {"lam": 0.1, "hard_ft_iters": 0}),
     "dtrnet-lam8e-4": ("dtrnet", {"lam": 8e-4, "layers": "bilayer"}),
     "dtrnet-lam8e-2": ("dtrnet", {"lam": 8e-2, "layers": "bilayer"}),
     "conddepth-rho0.5": ("conddepth", {"rho": 0.5, "init_from": "{gpt-L6}", "max_iters": 200, "learning_rate": 1e-3}),
