@@ -18,7 +18,7 @@ controller under an exact top-k budget. Only the controller and the cheap path a
     (12)       q_a = P([c; e_a]),  a ∈ {full, cheap}  shared predictor Linear→SiLU→Linear
     (13)       u = D(q_full, q_cheap, q_full − q_cheap)
     (14)  L_JEPA = Σ_a (1 − cos(q_a, z_a)),  z_a = sg(T(h*_a)), T fixed orthogonal d→d_s
-    (15) u*_{l,t} = C̃E^cheap_{l,t} − C̃E^full_{l,t}    oracle fork at layer l, all later controlled layers full
+    (15) u*_{l,t} = C̃E^cheap_{l,t} − C̃E^full_{l,t}    oracle: fork token t at layer l, every later layer full
     (16) C̃E_{l,t} = Σ_{δ<W} γ^δ CE_{l,t+δ}           (window runs forward in t; truncated at the sequence end)
     (17) L_util = Huber(u, u*)
     (18) L_rank = E_(i,j) softplus(−sign(u*_i − u*_j)(u_i − u_j))
@@ -26,28 +26,33 @@ controller under an exact top-k budget. Only the controller and the cheap path a
     (20) L_budget = 1/C Σ_l (p̄_l − ρ)²
     (21) L_alive  = 1/C Σ_l ReLU(p_min − p̄_l)
 
-Choices where the paper is silent: the gate reads the FFN sub-layer input a (eq. 1), the only hidden state
-that exists before the decision; the oracle forks ALL tokens of layer l at once (two no-grad passes of the
-later layers per controlled layer, not one per token); rank pairs are (t, π(t)) for a random permutation π
-of each sequence, ties dropped; A2 deranges the targets with a random T·B-cycle (a permutation without a
-fixed point). Predictor/decision-head hidden widths are 64 in the paper preset: that reproduces the
-paper's trainable counts exactly (G1 828,484, G3 849,348 at d=640, r=80, d_c=128, d_s=64, d_a=16).
+Choices where the paper is silent: the gate reads the FFN sub-layer input a (eq. 1), the only state before
+the decision; the controller runs in fp32 under any autocast, from PyTorch's fan-in init (GPT's 0.02 init
+left var(u) ~ 1e-12: top-k by rounding); L_JEPA is averaged over the C layers; rank pairs are (t, π(t)), π a
+random permutation per sequence, ties dropped; A2 deranges targets with one random B·T-cycle. The oracle is
+"independent of the current gate policy" (§3.3): its full branch is the dense model (every controlled layer
+full), the cheap branch of (l, t) changes only token t's FFN at layer l; all B·T forks of a layer run in one
+batch, W positions each (W× the later layers' work of one pass). P/D widths 64 in the paper preset give its
+trainable counts exactly (G1 828,484, G3 849,348).
 
-Inference. eval(): hard top-k, computed densely (the reference). sparse=True: each token runs only its
-path (gather/scatter). Top-k over a sequence looks at FUTURE tokens, so it is not causal; mode="causal"
-replaces it by a per-layer score threshold calibrated on training data to hit ρ (calibrate_thresholds).
+Training vs inference. Training routes by exact top-k per sequence (eqs. 7–9), which looks at FUTURE tokens.
+What inference runs (eval, mode="causal", the default) routes each token alone: full iff u > θ_l, θ_l a
+running average of the training batches' top-k cut (midway between the kB-th and next score), kept in the
+checkpoint (so --resume is exact); θ = +∞ before the first step (all cheap; −∞ at ρ = 1). Eval returns the
+causal hard loss and stats["soft_loss"], the top-k (training) one; mode="topk" evaluates the paper's
+non-causal top-k. sparse=True runs each token's path only (gather/scatter), with the same decisions. Cached
+decoding (prefill/step): attention is unchanged, so every token's K/V is cached at every layer; a token with
+u ≤ θ_l runs only the cheap FFN there, the others only the full FFN.
 
-Compute proxies (paper §4), in FFN-equivalent token-layers of the C controlled layers (1 = one token through
-one full FFN, common.flops_ffn(d, 4d)); forward FLOPs only, like the paper:
-    infer_vs_full   = ρ·1 + (1 − ρ)·r/d_ff + ctrl_infer/FFN
-    compute_vs_full = 1 + r/d_ff + ctrl_train/FFN + f_label·(C − 1)
-ctrl = G1 MLP, or G3's W_c + P (twice) + D; training adds G3's target head T (twice). Oracle: each label
-step forks every controlled layer l and runs the C−l later layers for both branches (layer l's two outputs
-are reused from the training forward): Σ_l 2(C − l) = C(C − 1) units, i.e. C − 1 per controlled layer;
-f_label = fraction of steps that compute labels.
+Compute proxies (paper §4), in FFN units of the C controlled layers (1 = one token through one full FFN,
+common.flops_ffn(d, 4d)), forward FLOPs:
+    infer_vs_full   = ρ + (1 − ρ)·r/d_ff + ctrl_infer/FFN
+    compute_vs_full = 1 + r/d_ff + ctrl_train/FFN + f_label·oracle/C
+ctrl: G1's MLP, or G3's W_c + P (twice) + D (+ T twice in training); f_label: fraction of steps with labels;
+oracle: units per label step = dense pass C + cheap forks C·r/d_ff + W·C(C−1)/2 for the forks' later layers.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -56,13 +61,14 @@ import torch.nn.functional as F
 import common
 from common import NanorouteError
 
-# recipe -> overrides (paper §3.4). Standard = G1 / G3; A1 no JEPA; A2 deranged targets; A3 no util/rank.
+# recipe -> the fields it sets (paper §3.4). Standard = G1 / G3; A1 no JEPA; A2 deranged targets; A3 no util/rank.
 RECIPES = {
     "G1": dict(gate="G1"), "G3": dict(gate="G3"),
     "A1": dict(gate="G3", lam_jepa=0.0), "A2": dict(gate="G3", shuffle_targets=True),
     "A3-G1": dict(gate="G1", lam_util=0.0, lam_rank=0.0), "A3-G3": dict(gate="G3", lam_util=0.0, lam_rank=0.0),
     "A4-0.25": dict(gate="G3", lam_jepa=0.25), "A4-2": dict(gate="G3", lam_jepa=2.0),
 }
+THRESHOLD_EMA = 0.05  # θ_l: a cumulative mean over the first 20 batches, then a running average over ~20
 
 
 @dataclass
@@ -72,7 +78,7 @@ class Config(common.Config):
     tau: float = 2.0              # τ of eq. (6)
     rho: float = 0.5              # ρ: full-path budget, eq. (7)
     gate: str = "G3"              # "G1" (eq. 10) | "G3" (eqs. 11–14)
-    recipe: str = ""              # one of RECIPES; when set it overrides gate / λ_JEPA / λ_util / λ_rank / A2
+    recipe: str = ""              # one of RECIPES: sets its fields; giving one a different value too is an error
     g1_hidden: int = 0            # G1 hidden width (0 = d/4); larger = the paper's G1-costmatch
     d_c: int = 48                 # G3 context width (paper 128)
     d_a: int = 16                 # G3 action-embedding width
@@ -90,7 +96,7 @@ class Config(common.Config):
     label_start: int = 100        # no oracle labels before this step ...
     label_every: int = 5          # ... then every 5 steps (util/rank = 0 on the others)
     controller_only: bool = True  # freeze the backbone (paper §3.4)
-    mode: str = "topk"            # inference routing: "topk" (paper, non-causal) | "causal" (calibrated threshold)
+    mode: str = "causal"          # eval/inference routing: "causal" (threshold θ_l) | "topk" (the paper's, non-causal)
     # training (paper §4: AdamW 2e-4, wd 0.01, clip 1, warmup + cosine to lr·0.01; ours is shorter, so faster)
     learning_rate: float = 1e-3
     min_lr: float = 1e-5
@@ -105,24 +111,30 @@ class Config(common.Config):
         if self.recipe:
             if self.recipe not in RECIPES:
                 raise NanorouteError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
+            default = {f.name: f.default for f in fields(Config)}
             for k, v in RECIPES[self.recipe].items():
+                if getattr(self, k) not in (v, default[k]):  # an explicit value the recipe would overwrite
+                    raise NanorouteError(f"recipe {self.recipe} sets {k}={v}; {k}={getattr(self, k)} contradicts it")
                 setattr(self, k, v)
         super().__post_init__()
         if not 0.0 < self.rho <= 1.0:
             raise NanorouteError(f"rho (the full-path budget) must be in (0, 1], got {self.rho}")
         if not 1 <= self.n_controlled <= self.n_layer:
             raise NanorouteError(f"n_controlled must be in [1, n_layer={self.n_layer}], got {self.n_controlled}")
-        if self.gate not in ("G1", "G3"):
-            raise NanorouteError(f"gate must be G1 or G3, got {self.gate!r}")
-        if self.mode not in ("topk", "causal"):
-            raise NanorouteError(f"mode must be topk or causal, got {self.mode!r}")
+        for name, allowed in (("gate", ("G1", "G3")), ("mode", ("causal", "topk"))):
+            if getattr(self, name) not in allowed:
+                raise NanorouteError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.tau <= 0 or self.cheap_rank < 1 or self.oracle_window < 1 or self.label_every < 1:
             raise NanorouteError("tau, cheap_rank, oracle_window and label_every must be positive")
 
 
 PRESETS = {"paper": dict(n_layer=12, n_embd=640, n_head=10, block_size=256, n_controlled=4, cheap_rank=80,
                          d_c=128, d_a=16, d_s=64, pred_hidden=64, learning_rate=2e-4, min_lr=2e-6,
-                         warmup_iters=1000, max_iters=20000, eval_interval=500, eval_iters=16)}
+                         warmup_iters=1000, max_iters=20000, eval_interval=500, eval_iters=16),
+           # one command, no dense checkpoint: backbone, cheap path and G1 gate trained jointly from scratch,
+           # without the oracle (A3: cheaper, and the paper's better recipe)
+           "classroom": dict(common.CLASSROOM, recipe="A3-G1", controller_only=False, cheap_rank=16,
+                             weight_decay=0.1)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -155,7 +167,7 @@ class GateG3(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.w_c = nn.Linear(cfg.n_embd, cfg.d_c)
-        self.e = nn.Parameter(torch.zeros(2, cfg.d_a))              # e_full, e_cheap
+        self.e = nn.Parameter(torch.empty(2, cfg.d_a))              # e_full, e_cheap (init in Model)
         self.pred = nn.Sequential(nn.Linear(cfg.d_c + cfg.d_a, cfg.pred_hidden), nn.SiLU(),
                                   nn.Linear(cfg.pred_hidden, cfg.d_s))
         self.head = nn.Sequential(nn.Linear(3 * cfg.d_s, cfg.pred_hidden), nn.SiLU(), nn.Linear(cfg.pred_hidden, 1))
@@ -197,6 +209,14 @@ def windowed_ce(ce, W, gamma):
     return sum(gamma ** d * padded[:, d:d + T] for d in range(W))
 
 
+def rank_loss(u, u_star):
+    """eq. (18) over pairs (t, π(t)) of each sequence, π a random permutation; tied labels are dropped."""
+    perm = torch.randperm(u.size(1), device=u.device)
+    s = torch.sign(u_star - u_star[:, perm])                         # (B, T)
+    loss = F.softplus(-s * (u - u[:, perm]))
+    return (loss * (s != 0)).sum() / (s != 0).sum().clamp(min=1)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The model
 
@@ -207,12 +227,17 @@ class Model(common.LM):
         C = cfg.n_controlled
         self.cheap = nn.ModuleList([CheapFFN(cfg) for _ in range(C)])
         self.gates = nn.ModuleList([(GateG1 if cfg.gate == "G1" else GateG3)(cfg) for _ in range(C)])
-        self.register_buffer("thresholds", torch.zeros(C))          # causal mode: u > threshold_l -> full
+        self.register_buffer("thresholds", torch.full((C,), -math.inf if cfg.rho >= 1 else math.inf))  # θ_l
+        self.register_buffer("threshold_batches", torch.zeros(C))   # how many batches θ_l has averaged
         self.init_weights()
         for ffn in self.cheap:                                       # eq. (5): the cheap path starts as identity
             nn.init.zeros_(ffn.down.weight), nn.init.zeros_(ffn.down.bias)
-        for g in self.gates:
+        for g in self.gates:                                         # fan-in init: u spreads at step 0 (docstring)
+            for m in g.modules():
+                if isinstance(m, nn.Linear):
+                    m.reset_parameters()
             if cfg.gate == "G3":
+                nn.init.normal_(g.e)                                 # distinct actions: q_full ≠ q_cheap at step 0
                 nn.init.orthogonal_(g.target.weight)                 # T: orthogonal init, frozen
         if cfg.controller_only:                                      # paper §3.4: train cheap path + controller only
             for p in self.parameters():
@@ -220,7 +245,7 @@ class Model(common.LM):
             for m in (*self.cheap, *self.gates):
                 for name, p in m.named_parameters():
                     p.requires_grad = not name.startswith("target")
-        self.mode = cfg.mode                                         # switchable (calibration, tests)
+        self.mode = cfg.mode                                         # switchable (tests, experiments)
         self.label_now = False                                       # set by on_step: oracle labels this step?
         self.last_masks, self.last_scores = [], []
 
@@ -230,6 +255,12 @@ class Model(common.LM):
         self.label_now = (cfg.lam_util > 0 or cfg.lam_rank > 0) and it >= cfg.label_start \
             and (it - cfg.label_start) % cfg.label_every == 0
 
+    def controller(self, j, a):
+        """u (B, T) and G3's (q_full, q_cheap), in fp32 under any autocast (numerics policy: the decision
+        depends on a only, not on the dtype the rest of the model runs in)."""
+        with torch.autocast(a.device.type, enabled=False):
+            return self.gates[j](a.to(torch.promote_types(a.dtype, torch.float32)))
+
     def forward(self, idx, targets=None, sparse=False):
         cfg, L, C = self.cfg, self.cfg.n_layer, self.cfg.n_controlled
         if sparse and self.training:
@@ -237,119 +268,225 @@ class Model(common.LM):
         x = self.embed(idx)                                          # (B, T, d)
         for block in self.blocks[:L - C]:
             x = block(x)
+        topk = self.training or self.mode == "topk"                  # training is always the paper's top-k
+        h, r = self.controlled(x, topk, sparse, targets is not None)
+        logits, lm_loss = self.head(h, targets)
+        self.last_masks, self.last_scores = r["m"], [u.detach() for u in r["u"]]
+        if lm_loss is None:                                          # inference: no statistics to pay for
+            return logits, None, {}
+        full = torch.stack([m.float().mean() for m in r["m"]])      # (C,) fraction on the full path
+        ratio = flops_per_token(cfg, idx.size(1), full) / common.dense_flops_per_token(cfg, idx.size(1))
+        stats = {"gate_prob": r["p_bar"].mean().detach(), "full_ratio": full.mean(), "skipped": 1 - full.mean(),
+                 "flops_saved_hard": 1 - ratio, "budget": r["budget"].detach(), "alive": r["alive"].detach(),
+                 "util_var": torch.stack([u.detach().var(correction=0) for u in r["u"]]).mean(),
+                 **{f"skip_l{L - C + j}": 1 - f for j, f in enumerate(full)}}
+        if r["jepa"] is not None:
+            stats.update(jepa=r["jepa"].detach(), qf_qc_l2=r["l2"], qf_qc_cos=r["cos"])
+        zero = lm_loss.new_zeros(())
+        util, rank = zero, zero
+        labelled = self.training and self.label_now
+        if labelled:
+            u_star = [us.to(u.dtype) for us, u in zip(self.oracle_labels(x.detach(), targets), r["u"])]  # C × (B, T)
+            util = torch.stack([F.huber_loss(u, us) for u, us in zip(r["u"], u_star)]).mean()  # eq. (17)
+            rank = torch.stack([rank_loss(u, us) for u, us in zip(r["u"], u_star)]).mean()     # eq. (18)
+        jepa = r["jepa"] if r["jepa"] is not None else zero
+        loss = lm_loss + cfg.lam_jepa * jepa + cfg.lam_util * util + cfg.lam_rank * rank \
+            + cfg.lam_b * r["budget"] + cfg.lam_a * r["alive"]      # eq. (19)
+        stats.update(lm_loss=lm_loss.detach(), util=util.detach(), rank=rank.detach(), label_step=zero + labelled)
+        if not self.training:  # the training computation (top-k, eq. 9's forward value) on the same batch
+            soft = lm_loss if topk else self.head(self.controlled(x, True)[0], targets)[1]
+            stats["soft_loss"] = soft.detach()
+        return logits, loss, stats
+
+    def controlled(self, x, topk, sparse=False, losses=False):
+        """The C controlled layers on x (B, T, d), the residual entering the first one. topk: route by exact
+        top-k per sequence (training; in training also updates θ), else by the causal thresholds θ. Returns
+        the output residual and per-layer u and m, plus (losses=True) the budget/alive/JEPA terms."""
+        cfg, C = self.cfg, self.cfg.n_controlled
         B, T, _ = x.shape
         k = budget_k(cfg.rho, T)
-        causal = self.mode == "causal" and not self.training
-        zero = x.new_zeros(())
-        us, ps, masks, branches = [], [], [], []
-        jepa, l2, cos = zero, zero, zero
-        for j, block in enumerate(self.blocks[L - C:]):
-            a = x + block.attn_delta(x)                              # (B, T, d), eq. (1)
-            u, q = self.gates[j](a)                                  # (B, T)
+        us, ps, ms, jepas, l2s, coss = [], [], [], [], [], []
+        for j, block in enumerate(self.blocks[-C:]):
+            a = x + block.attn_delta(x).to(x.dtype)                  # (B, T, d), eq. (1)
+            u, q = self.controller(j, a)                             # (B, T) fp32
             p = torch.sigmoid(u / cfg.tau)                           # eq. (6)
-            m = u > self.thresholds[j] if causal else topk_mask(u.detach(), k)  # (B, T) bool, eq. (7)
-            us.append(u), ps.append(p), masks.append(m)
+            if topk:
+                m = topk_mask(u.detach(), k)                         # (B, T) bool, eq. (7)
+                if self.training and k < T:
+                    self.track_threshold(j, u.detach(), k * B)
+            else:
+                m = u > self.thresholds[j]                           # causal: each token on its own
+            us.append(u), ps.append(p), ms.append(m)
             if sparse:                                               # each token runs only its own path
                 x = self.sparse_ffn(block, self.cheap[j], a, m)
                 continue
-            h_full = a + block.ffn_delta(a)                          # eq. (2)
-            h_cheap = a + self.cheap[j](a)                           # eq. (3)
+            h_full = a + block.ffn_delta(a).to(a.dtype)              # eq. (2)
+            h_cheap = a + self.cheap[j](a).to(a.dtype)               # eq. (3)
             if self.training:
-                m_st = ((m.to(p.dtype) - p).detach() + p)[..., None]  # (B, T, 1), eq. (8)
+                m_st = ((m.float() - p).detach() + p)[..., None]     # (B, T, 1), eq. (8)
                 x = m_st * h_full + (1 - m_st) * h_cheap             # eq. (9)
             else:
                 x = torch.where(m[..., None], h_full, h_cheap)       # eq. (4), hard
-            branches.append((h_full.detach(), h_cheap.detach()))
-            if q is not None and targets is not None:                # G3: JEPA alignment, eq. (14)
+            if q is not None and losses:                             # G3: JEPA alignment, eq. (14)
                 qf, qc = q
-                z = self.gates[j].target(torch.stack([h_full, h_cheap]).detach())  # (2, B, T, d_s)
+                with torch.autocast(a.device.type, enabled=False):
+                    z = self.gates[j].target(torch.stack([h_full, h_cheap]).detach().to(qf.dtype))  # (2, B, T, d_s)
                 if cfg.shuffle_targets and self.training:            # A2: another token's real targets
-                    perm = derangement(B * T, z.device)
-                    z = z.flatten(1, 2)[:, perm].view_as(z)
-                jepa = jepa + (2 - F.cosine_similarity(qf, z[0], dim=-1) - F.cosine_similarity(qc, z[1], dim=-1)).mean()
-                l2 = l2 + (qf - qc).detach().norm(dim=-1).mean()
-                cos = cos + F.cosine_similarity(qf.detach(), qc.detach(), dim=-1).mean()
-        logits, lm_loss = self.head(x, targets)
-        self.last_masks = [m.detach() for m in masks]
-        self.last_scores = [u.detach() for u in us]
-
-        p_bar = torch.stack([p.mean() for p in ps])                  # (C,) batch-averaged gate prob
-        budget = ((p_bar - cfg.rho) ** 2).mean()                     # eq. (20)
-        alive = F.relu(cfg.p_min - p_bar).mean()                     # eq. (21)
-        util, rank = zero, zero
-        labelled = self.training and self.label_now and targets is not None
-        if labelled:
-            u_star = self.oracle_labels(branches, targets)           # C × (B, T)
-            util = torch.stack([F.huber_loss(u, us_) for u, us_ in zip(us, u_star)]).mean()  # eq. (17)
-            rank = torch.stack([rank_loss(u, us_) for u, us_ in zip(us, u_star)]).mean()     # eq. (18)
-        stats = {"gate_prob": p_bar.mean().detach(), "full_ratio": torch.stack(masks).float().mean(),
-                 "util_var": torch.stack([u.detach().var(correction=0) for u in us]).mean(),
-                 "budget": budget.detach(), "alive": alive.detach()}
-        if cfg.gate == "G3" and not sparse and targets is not None:
-            stats.update(jepa=jepa.detach() / C, qf_qc_l2=l2 / C, qf_qc_cos=cos / C)
-        if lm_loss is None:
-            return logits, None, stats
-        loss = lm_loss + cfg.lam_jepa * jepa / C + cfg.lam_util * util + cfg.lam_rank * rank \
-            + cfg.lam_b * budget + cfg.lam_a * alive                 # eq. (19)
-        stats.update(lm_loss=lm_loss.detach(), util=util.detach(), rank=rank.detach(), label_step=zero + labelled)
-        return logits, loss, stats
-
-    def sparse_ffn(self, block, cheap, a, m):
-        """Gather the full-path tokens and the cheap-path tokens of the whole batch, run each FFN once on
-        its subset, scatter the deltas back. Rows may route different numbers of tokens (causal mode)."""
-        a2, m2 = a.reshape(-1, a.size(-1)), m.reshape(-1)            # (B·T, d), (B·T,)
-        i_full, i_cheap = m2.nonzero().squeeze(1), (~m2).nonzero().squeeze(1)
-        out = a2.clone()
-        out.index_add_(0, i_full, block.ffn_delta(a2[i_full]))       # (n_full, d)
-        out.index_add_(0, i_cheap, cheap(a2[i_cheap]))               # (n_cheap, d)
-        return out.view_as(a)
+                    z = z.flatten(1, 2)[:, derangement(B * T, z.device)].view_as(z)
+                jepas.append((2 - F.cosine_similarity(qf, z[0], dim=-1) - F.cosine_similarity(qc, z[1], dim=-1)).mean())
+                l2s.append((qf - qc).detach().norm(dim=-1).mean())
+                coss.append(F.cosine_similarity(qf.detach(), qc.detach(), dim=-1).mean())
+        if not losses:
+            return x, {"u": us, "m": ms}
+        p_bar = torch.stack([p.mean() for p in ps])                  # (C,) batch-averaged gate prob per layer
+        mean = lambda v: torch.stack(v).mean() if v else None
+        return x, {"u": us, "m": ms, "p_bar": p_bar, "budget": ((p_bar - cfg.rho) ** 2).mean(),  # eq. (20)
+                   "alive": F.relu(cfg.p_min - p_bar).mean(),                                    # eq. (21)
+                   "jepa": mean(jepas), "l2": mean(l2s), "cos": mean(coss)}
 
     @torch.no_grad()
-    def oracle_labels(self, branches, targets):
-        """eq. (15): for each controlled layer l, fork (all tokens) into h_full / h_cheap, run every later
-        layer full, and take the difference of the windowed per-token CE. No gradient: a teacher signal."""
-        cfg, L, C = self.cfg, self.cfg.n_layer, self.cfg.n_controlled
-        B, T = targets.shape
-        labels = []
-        for j, (h_full, h_cheap) in enumerate(branches):
-            z = torch.cat([h_full, h_cheap])                         # (2B, T, d)
-            for block in self.blocks[L - C + j + 1:]:                # later controlled layers: all full
-                z = block(z)
-            logits, _ = self.head(z)                                 # (2B, T, V)
-            ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.repeat(2, 1).flatten(),
-                                 ignore_index=-1, reduction="none").view(2 * B, T)
-            ce = windowed_ce(ce, cfg.oracle_window, cfg.oracle_gamma)
-            labels.append((ce[B:] - ce[:B]).to(h_full.dtype))   # u* = C̃E_cheap − C̃E_full, (B, T)
-        return labels
+    def track_threshold(self, j, u, n_full):
+        """θ_j ← running average of this batch's top-k cut: midway between its n_full-th and next score."""
+        v = u.flatten().topk(n_full + 1).values                      # (n_full + 1,)
+        cut, n = (v[-2] + v[-1]) / 2, self.threshold_batches[j]
+        beta = (1 / (n + 1)).clamp(min=THRESHOLD_EMA)
+        self.thresholds[j] = torch.where(n == 0, cut, self.thresholds[j] + beta * (cut - self.thresholds[j]))
+        self.threshold_batches[j] += 1
 
     @torch.no_grad()
     def calibrate_thresholds(self, batches):
-        """Causal mode: per layer, the (1 − ρ)-quantile of u on training batches, layer after layer (u_l
-        depends on how layers < l routed, so earlier thresholds are fixed first)."""
-        was_training, mode = self.training, self.mode
-        self.eval()
-        self.mode = "causal"
-        for j in range(self.cfg.n_controlled):
-            scores = []
-            for x in batches:
-                self(x)
-                scores.append(self.last_scores[j].flatten())
-            self.thresholds[j] = torch.quantile(torch.cat(scores).float(), 1 - self.cfg.rho)
+        """Set θ afresh from a few batches (B, T) of ids: the mean top-k cut of training's routing. Training
+        does this by itself; this is for a model that was not trained here (benchmarks, tests)."""
+        was_training = self.training
+        self.threshold_batches.zero_()
+        self.train()
+        for x in batches:
+            self(x)
         self.train(was_training)
-        self.mode = mode
         return self.thresholds.clone()
 
+    def sparse_ffn(self, block, cheap, a, m):
+        """Each token runs only its own path: gather the full-path and the cheap-path tokens of the whole
+        batch, run each FFN once on its subset, write back. Rows may route different numbers of tokens."""
+        a2, m2 = a.reshape(-1, a.size(-1)), m.reshape(-1)            # (N, d), (N,)
+        N, n = m2.numel(), int(m2.sum())                             # host sync: how many run the full FFN
+        if n in (0, N):                                              # one path for all (e.g. decoding at B = 1)
+            return a + (block.ffn_delta(a) if n else cheap(a)).to(a.dtype)
+        i_full = torch.nonzero_static(m2, size=n).squeeze(1)         # (n,)
+        i_cheap = torch.nonzero_static(~m2, size=N - n).squeeze(1)   # (N − n,)
+        x_full, x_cheap = a2.index_select(0, i_full), a2.index_select(0, i_cheap)  # (n, d), (N − n, d)
+        out = torch.empty_like(a2)
+        out.index_copy_(0, i_full, x_full + block.ffn_delta(x_full).to(a.dtype))  # index_copy does not promote
+        out.index_copy_(0, i_cheap, x_cheap + cheap(x_cheap).to(a.dtype))
+        return out.view_as(a)
 
-def rank_loss(u, u_star):
-    """eq. (18) over pairs (t, π(t)) of each sequence, π a random permutation; tied labels are dropped."""
-    perm = torch.randperm(u.size(1), device=u.device)
-    s = torch.sign(u_star - u_star[:, perm])                         # (B, T)
-    loss = F.softplus(-s * (u - u[:, perm]))
-    return (loss * (s != 0)).sum() / (s != 0).sum().clamp(min=1)
+    # ------------------------------------------------------------------------------------------------
+    # The oracle (eqs. 15–16): a no-grad teacher, independent of the gate policy
+
+    def token_ce(self, h, targets):
+        """Per-token CE of the head on h (..., d) against targets (...); ignored targets give 0."""
+        logits, _ = self.head(h)
+        logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits, targets.flatten(), ignore_index=-1, reduction="none").view(targets.shape)
+
+    @torch.no_grad()
+    def oracle_labels(self, x, targets):
+        """u*_l (B, T) for each controlled layer, from x (B, T, d) entering the first one. The full branch is
+        the dense model (one pass, keeping each layer's K/V); the cheap branch of fork (l, t) changes token t's
+        FFN at layer l only, so positions < t are unchanged and only t … t+W−1 enter its window: each fork
+        recomputes those W positions of the later layers against the dense K/V of positions < t."""
+        cfg, C, W = self.cfg, self.cfg.n_controlled, self.cfg.oracle_window
+        B, T, _ = x.shape
+        kv, outs, cheap_outs = [], [], []
+        for j, block in enumerate(self.blocks[-C:]):                 # the dense pass
+            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T, hs)
+            a = x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype)
+            cheap_outs.append(a + self.cheap[j](a).to(a.dtype))      # eq. (3) on the dense trajectory
+            x = a + block.ffn_delta(a).to(a.dtype)
+            kv.append((k, v)), outs.append(x)
+        ce_full = self.token_ce(x, targets)                          # (B, T)
+        pos = torch.arange(T, device=x.device)[:, None] + torch.arange(W, device=x.device)  # (T, W) fork windows
+        valid, pos = pos < T, pos.clamp(max=T - 1)
+        decay = cfg.oracle_gamma ** torch.arange(W, device=x.device) * valid                # (T, W)
+        labels = []
+        for j in range(C):
+            h = outs[j][:, pos]                                      # (B, T, W, d): dense layer-j outputs ...
+            h[:, :, 0] = cheap_outs[j]                               # ... but the forked token took the cheap FFN
+            for i in range(j + 1, C):
+                h = self.fork_block(self.blocks[len(self.blocks) - C + i], h, *kv[i], valid)
+            ce = self.token_ce(h, targets[:, pos])                   # (B, T, W)
+            labels.append(((ce - ce_full[:, pos]) * decay).sum(-1))  # u*_{l,t}, eqs. (15)–(16)
+        return labels
+
+    def fork_block(self, block, h, K, V, valid):
+        """One later layer for every fork's window h (B, T, W, d): fork t's queries see the dense keys of
+        positions < t (K, V: (B, nh, T, hs)) and its own window's keys up to themselves."""
+        B, T, W, d = h.shape
+        nh = block.attn.n_head
+        q, k, v = block.attn.c_attn(block.ln_1(h)).view(B, T, W, 3, nh, d // nh).permute(3, 0, 4, 1, 2, 5)
+        s_dense = torch.einsum("bhtwe,bhse->bhtws", q, K).float()    # (B, nh, T, W, T)
+        s_fork = torch.einsum("bhtwe,bhtve->bhtwv", q, k).float()    # (B, nh, T, W, W)
+        t, w = torch.arange(T, device=h.device), torch.arange(W, device=h.device)
+        see_dense = (t[None, :] < t[:, None])[:, None, :]            # (T, 1, T): key s < t
+        see_fork = (w[None, :] <= w[:, None]) & valid[:, None, :]    # (T, W, W): own keys up to w
+        s = torch.cat([s_dense.masked_fill(~see_dense, -math.inf), s_fork.masked_fill(~see_fork, -math.inf)], -1)
+        att = (s / math.sqrt(d // nh)).softmax(-1).to(v.dtype)       # (B, nh, T, W, T + W)
+        y = torch.einsum("bhtws,bhse->bhtwe", att[..., :T], V) + torch.einsum("bhtwv,bhtve->bhtwe", att[..., T:], v)
+        h = h + block.attn.c_proj(y.permute(0, 2, 3, 1, 4).reshape(B, T, W, d)).to(h.dtype)
+        return h + block.ffn_delta(h).to(h.dtype)
+
+    # ------------------------------------------------------------------------------------------------
+    # Inference: the routing picture and cached decoding (state = (one KV cache per layer, position))
+
+    @torch.no_grad()
+    def routing_map(self, idx):
+        """idx (1, T) -> (m (C, T): 1 = the token ran the full FFN at that layer in what inference runs,
+        row labels, legend)."""
+        was_training = self.training
+        self.eval()
+        self(idx)
+        self.train(was_training)
+        L, C = self.cfg.n_layer, self.cfg.n_controlled
+        m = torch.stack([mk[0].float() for mk in self.last_masks]).cpu()  # (C, T)
+        return m, [f"layer {L - C + j}" for j in range(C)], ("cheap FFN", "full FFN")
+
+    def routed_ffn(self, i, block, a):
+        """Block i's FFN sub-layer at inference: dense below the controlled layers, else each token's path."""
+        j = i - (self.cfg.n_layer - self.cfg.n_controlled)
+        if j < 0:
+            return a + block.ffn_delta(a).to(a.dtype)
+        if self.mode != "causal":
+            raise NanorouteError("cached decoding routes causally: mode='topk' looks at future tokens "
+                                 "(use mode='causal', or generate(..., use_cache=False))")
+        return self.sparse_ffn(block, self.cheap[j], a, self.controller(j, a)[0] > self.thresholds[j])
+
+    @torch.no_grad()
+    def prefill(self, idx):
+        B, T = idx.shape
+        x, caches = self.embed(idx), []                              # (B, T, d)
+        for i, block in enumerate(self.blocks):
+            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T, hs)
+            caches.append(common.KVCache(B, self.cfg.block_size, k, v))
+            x = self.routed_ffn(i, block, x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype))
+        return self.head(x[:, -1:])[0][:, -1], (caches, T)
+
+    @torch.no_grad()
+    def step(self, tok, state):
+        caches, pos = state
+        x = self.wte(tok) + self.wpe.weight[pos]                     # (B, 1, d)
+        for i, (block, cache) in enumerate(zip(self.blocks, caches)):
+            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, 1, hs)
+            k, v = cache.append(pos, k, v)                           # (B, nh, pos + 1, hs)
+            x = self.routed_ffn(i, block, x + block.attn.c_proj(block.attn.attend(q, k, v, causal=False)).to(x.dtype))
+        return self.head(x)[0][:, -1], (caches, pos + 1)
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
+        """common.LM.generate; mode="topk" re-routes the whole window each token (it has no causal cache)."""
+        return super().generate(idx, max_new_tokens, temperature, top_k, use_cache and self.mode == "causal")
 
 
 # ----------------------------------------------------------------------------------------------------
-# Compute proxies (paper §4), in FFN-equivalent token-layers of the controlled layers
+# Compute: forward FLOPs per token of what inference runs, and the paper's proxies (§4) in FFN units
 
 def controller_flops(cfg, train):
     d = cfg.n_embd
@@ -361,6 +498,15 @@ def controller_flops(cfg, train):
     f += 2 * 2 * ((cfg.d_c + cfg.d_a) * h + h * cfg.d_s)             # P, once per action
     f += 2 * (3 * cfg.d_s * h + h)                                   # D
     return f + (2 * 2 * d * cfg.d_s if train else 0)                 # T on both branch outputs (training)
+
+
+def flops_per_token(cfg, T, full):
+    """Inference forward FLOPs per token, full (C,) = fraction of tokens on the full path per layer
+    (a tensor or a list: tensor math, no host sync)."""
+    full = torch.as_tensor(full, dtype=torch.float32)
+    ffn, cheap = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd), common.flops_ffn(cfg.n_embd, cfg.cheap_rank)
+    routed = full * ffn + (1 - full) * cheap + controller_flops(cfg, train=False)
+    return common.dense_flops_per_token(cfg, T) + (routed - ffn).sum()
 
 
 def label_fraction(cfg):
@@ -380,5 +526,6 @@ def infer_vs_full(cfg):
 def compute_vs_full(cfg):
     ffn = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd)
     cheap = common.flops_ffn(cfg.n_embd, cfg.cheap_rank) / ffn
-    oracle = label_fraction(cfg) * (cfg.n_controlled - 1)
+    C = cfg.n_controlled
+    oracle = label_fraction(cfg) * (C + C * cheap + cfg.oracle_window * C * (C - 1) / 2) / C  # per label step
     return 1 + cheap + controller_flops(cfg, train=True) / ffn + oracle

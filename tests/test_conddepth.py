@@ -1,4 +1,6 @@
-"""Tests for conddepth.py (conditional depth routing, arXiv:2604.17228). Tiny configs; < 60 s on 2 CPU cores."""
+"""Tests for conddepth.py (conditional depth routing, arXiv:2604.17228). Tiny configs; < 60 s on 2 CPU cores.
+Each test says which bug it guards against; every one was planted and seen to fail (see results/conddepth.md)."""
+import json
 import math
 import os
 
@@ -31,262 +33,462 @@ def make(dtype=torch.float64, seed=0, randomize_cheap=True, **kw):
     return m
 
 
-def data(B=3, T=32, seed=1):
+def data(B=3, T=32, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    return x.to(device), y.to(device)
+
+
+def calibrated(m, n=3, B=4):
+    """θ from a few batches of training's top-k routing (what a training run leaves in the checkpoint)."""
+    T, dev = m.cfg.block_size, m.wte.weight.device
+    m.calibrate_thresholds([data(B=B, T=T, seed=100 + s, device=dev)[0] for s in range(n)])
+    return m
+
+
+def prefix(m, x):
+    h = m.embed(x)
+    for block in m.blocks[:m.cfg.n_layer - m.cfg.n_controlled]:
+        h = block(h)
+    return h
+
+
+def replay(m, x):
+    """Reference: the training forward written out from the paper's equations, layer by layer."""
+    cfg, out, h = m.cfg, [], prefix(m, x)
+    for j, block in enumerate(m.blocks[-cfg.n_controlled:]):
+        a = h + block.attn_delta(h)                                     # eq. (1)
+        g = m.gates[j]
+        if cfg.gate == "G1":
+            u, qf, qc = g.w2(F.silu(g.w1(a)))[..., 0], None, None       # eq. (10)
+        else:
+            c = g.w_c(a)                                                 # eq. (11)
+            qf = g.pred(torch.cat([c, g.e[0].expand(*c.shape[:2], -1)], -1))  # eq. (12)
+            qc = g.pred(torch.cat([c, g.e[1].expand(*c.shape[:2], -1)], -1))
+            u = g.head(torch.cat([qf, qc, qf - qc], -1))[..., 0]        # eq. (13)
+        mask = cd.topk_mask(u, cd.budget_k(cfg.rho, x.size(1)))
+        h_full, h_cheap = a + block.ffn_delta(a), a + m.cheap[j](a)     # eqs. (2), (3)
+        out.append(dict(a=a, u=u, qf=qf, qc=qc, m=mask, p=torch.sigmoid(u / cfg.tau), h_full=h_full, h_cheap=h_cheap))
+        h = torch.where(mask[..., None], h_full, h_cheap)               # eq. (9)'s forward value
+    return out
+
+
+def agree(a_masks, b_masks):
+    """(B,) rows whose decisions agree at every controlled layer (bf16 may flip a score at θ)."""
+    return torch.stack([(a == b).all(-1) for a, b in zip(a_masks, b_masks)]).all(0)
 
 
 # ---- config ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw", [dict(rho=0.0), dict(rho=1.5), dict(rho=-0.1), dict(gate="G2"), dict(recipe="A9"),
-                                dict(mode="foo"), dict(n_controlled=5), dict(tau=0.0)])
+@pytest.mark.parametrize("kw", [dict(rho=0.0), dict(rho=1.5), dict(gate="G2"), dict(recipe="A9"), dict(mode="foo"),
+                                dict(n_controlled=5), dict(tau=0.0)])
 def test_bad_config_is_one_line_error(kw):
     with pytest.raises(common.NanorouteError) as e:
         tiny(**kw)
     assert "\n" not in str(e.value)
 
 
-def test_recipes_set_the_paper_flags():
+def test_recipes_set_the_paper_flags_and_refuse_contradictions():
     assert tiny(recipe="A1").lam_jepa == 0.0 and tiny(recipe="A1").gate == "G3"
     a3 = tiny(recipe="A3-G1")
     assert (a3.gate, a3.lam_util, a3.lam_rank, a3.lam_jepa) == ("G1", 0.0, 0.0, 1.0)
     assert tiny(recipe="A2").shuffle_targets and tiny(recipe="A4-0.25").lam_jepa == 0.25
-    assert tiny(rho=1.0).rho == 1.0  # ρ = 1 is allowed (all full)
-
-
-# ---- routing ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("rho,T,k", [(0.3, 10, 3), (0.5, 32, 16), (0.25, 13, 4), (1.0, 7, 7), (0.01, 20, 1)])
-def test_exact_topk_count_per_sequence(rho, T, k):
-    assert cd.budget_k(rho, T) == k == math.ceil(round(rho * T, 9))
-    m = make(rho=rho)
-    x, y = data(T=T)
-    for train_mode in (True, False):
-        m.train(train_mode)
-        _, _, stats = m(x, y)
-        for mask, u in zip(m.last_masks, m.last_scores):
-            assert mask.sum(-1).tolist() == [k] * x.size(0)  # exactly k full tokens in every sequence
-            # the selected tokens are the k highest scores
-            assert (u.masked_fill(~mask, -1e9).topk(k, -1).values == u.topk(k, -1).values).all()
-        assert abs(stats["full_ratio"].item() - k / T) < 1e-6
-
-
-@pytest.mark.parametrize("gate", ["G1", "G3"])
-@pytest.mark.parametrize("mode", ["topk", "causal"])
-def test_sparse_equals_dense_hard(gate, mode):
-    m = make(gate=gate, mode=mode).eval()
-    x, _ = data(B=4)
-    if mode == "causal":  # thresholds that make rows route different numbers of tokens
-        m.last_scores = []
-        m.mode = "topk"
-        m(x)
-        m.thresholds.copy_(torch.stack([u.median() for u in m.last_scores]))
-        m.mode = "causal"
-    dense, _, _ = m(x)
-    counts = [mk.sum(-1).tolist() for mk in m.last_masks]
-    sparse, _, _ = m(x, sparse=True)
-    assert torch.allclose(sparse, dense, atol=1e-10, rtol=0)
-    if mode == "causal":
-        assert any(len(set(c)) > 1 for c in counts)  # the case with unequal rows really was exercised
-        assert all(0 < sum(c) < x.numel() for c in counts)
-    # and routing matters: forcing all-full gives different logits (so the comparison is not vacuous)
-    m.cfg.rho, m.mode = 1.0, "topk"
-    assert not torch.allclose(m(x)[0], dense, atol=1e-6)
-
-
-def test_sparse_float32_and_train_mode_refused():
-    m = make(dtype=torch.float32).eval()
-    x, _ = data()
-    assert torch.allclose(m(x, sparse=True)[0], m(x)[0], atol=1e-5)
+    assert tiny(recipe="A1", lam_jepa=0.0).lam_jepa == 0.0  # agreeing is fine
+    with pytest.raises(common.NanorouteError, match="recipe A1 sets lam_jepa=0.0; lam_jepa=0.5 contradicts it"):
+        tiny(recipe="A1", lam_jepa=0.5)  # used to give 0 silently
     with pytest.raises(common.NanorouteError):
-        m.train()(x, sparse=True)
+        tiny(recipe="A3-G3", gate="G1")
+    assert tiny(rho=1.0).rho == 1.0
 
+
+def test_classroom_preset_trains_jointly_from_scratch():
+    cfg = cd.Config(**cd.PRESETS["classroom"])
+    assert not cfg.controller_only and cfg.lam_util == cfg.lam_rank == 0 and cfg.n_controlled < cfg.n_layer
+    assert all(getattr(cfg, k) == v for k, v in common.CLASSROOM.items())
+
+
+# ---- the model contract on every device × dtype (issue 16) -----------------------------------------
 
 @pytest.mark.parametrize("gate", ["G1", "G3"])
-def test_straight_through(gate):
-    """Forward = hard top-k (eq. 8), and the LM loss alone sends a gradient to the controller through p."""
-    m = make(gate=gate, lam_jepa=0.0, lam_util=0.0, lam_rank=0.0, lam_b=0.0, lam_a=0.0)
-    x, y = data()
-    m.train()
-    logits_train, loss, stats = m(x, y)
-    m.eval()
-    logits_eval, _, _ = m(x, y)
-    assert torch.allclose(logits_train, logits_eval, atol=1e-12)
-    assert abs(loss.item() - stats["lm_loss"].item()) < 1e-6  # every λ = 0: loss is the LM loss only
-    m.train()
-    m.zero_grad()
-    m(x, y)[1].backward()
-    for g in m.gates:
-        grads = [p.grad for p in g.parameters() if p.requires_grad]
-        assert all(gr is not None for gr in grads) and sum(gr.abs().sum() for gr in grads) > 0
-    # the gradient reaching u is exactly the eq. (8) one: dL/du = <dL/dh, h_full − h_cheap> · σ'(u/τ)/τ
-    m.zero_grad()
-    j = 1
-    store = {}
-    block = m.blocks[-1]
-    orig = block.attn_delta
-
-    def spy(h):
-        out = orig(h)
-        store["a"] = h + out
-        return out
-    block.attn_delta = spy
-    us = []
-    gate_fwd = m.gates[j].forward
-
-    def gate_spy(a):
-        u, q = gate_fwd(a)
-        u.retain_grad()
-        us.append(u)
-        return u, q
-    m.gates[j].forward = gate_spy
-    _, loss, _ = m(x, y)
-    a = store["a"]
-    a.retain_grad() if a.requires_grad else None
-    h_full = a + block.ffn_delta(a)
-    h_cheap = a + m.cheap[j](a)
-    # dL/dh at the output of the last controlled layer:
-    hout = torch.where(m.last_masks[j][..., None], h_full, h_cheap).detach().requires_grad_(True)
-    logits, lm = m.head(hout, y)
-    (g_h,) = torch.autograd.grad(lm, hout)
-    loss.backward()
-    u = us[0]
-    p = torch.sigmoid(u / m.cfg.tau)
-    expected = (g_h * (h_full - h_cheap)).sum(-1) * p * (1 - p) / m.cfg.tau
-    assert torch.allclose(u.grad, expected.detach(), atol=1e-10)
-    block.attn_delta, m.gates[j].forward = orig, gate_fwd
-
-
-def test_cheap_path_starts_as_identity():
-    """W_down = 0 at init: a model routing every token cheap equals the GPT with those FFNs skipped."""
-    m = make(randomize_cheap=False).eval()
-    assert all((f.down.weight == 0).all() and (f.down.bias == 0).all() for f in m.cheap)
+@pytest.mark.parametrize("mode", ["causal", "topk"])
+def test_sparse_equals_dense_hard(dev, gate, mode):
+    m = calibrated(make(torch.float32, gate=gate, mode=mode)).to(dev.device).eval()
+    x, y = data(B=6, device=dev.device)
+    with torch.no_grad(), dev.autocast():
+        dense, _, st = m(x, y)
+        dense_masks = m.last_masks
+        sparse, _, st_sparse = m(x, y, sparse=True)
+    rows = agree(dense_masks, m.last_masks)
+    assert rows.float().mean() >= (0.8 if dev.low else 1.0) and rows.any()
+    atol, rtol = dev.tol()
+    torch.testing.assert_close(sparse[rows].float(), dense[rows].float(), atol=atol, rtol=rtol)
+    counts = [mk.sum(-1) for mk in dense_masks]
+    if mode == "causal":  # rows route different numbers of tokens: the unequal case really is exercised
+        assert any(len(set(c.tolist())) > 1 for c in counts) and all(0 < c.sum() < x.numel() for c in counts)
+    assert abs(st["lm_loss"] - st_sparse["lm_loss"]) < (0.05 if dev.low else 1e-5)
+    # routing matters: all-full gives other logits, so the comparison is not vacuous
+    m.thresholds.fill_(-math.inf)
     m.mode = "causal"
-    m.thresholds.fill_(float("inf"))  # nobody passes: all cheap
-    x, _ = data()
-    logits, _, stats = m(x)
-    assert stats["full_ratio"].item() == 0.0
-    h = m.embed(x)
-    L, C = m.cfg.n_layer, m.cfg.n_controlled
-    for i, block in enumerate(m.blocks):
-        h = h + block.attn_delta(h)
-        if i < L - C:
-            h = h + block.ffn_delta(h)  # the FFN of controlled layers is skipped
-    ref, _ = m.head(h)
-    assert torch.allclose(logits, ref, atol=1e-12)
-    # and with ρ = 1 (all full) the model is exactly the dense GPT on the same weights
-    m.mode, m.cfg.rho = "topk", 1.0
-    dense = common.Model(tiny()).to(torch.float64)
-    dense.load_state_dict(m.state_dict(), strict=False)
-    assert torch.allclose(m(x)[0], dense.eval()(x)[0], atol=1e-12)
+    with torch.no_grad(), dev.autocast():
+        assert not torch.allclose(m(x)[0].float(), dense.float(), atol=atol)
 
 
-def test_topk_is_not_causal_but_causal_mode_is():
-    m = make().eval()
-    x, _ = data(B=4)
+def test_eval_is_causal_training_topk_is_not(dev):
+    m = calibrated(make(torch.float32)).to(dev.device).eval()
+    x, _ = data(B=4, device=dev.device)
     x2 = x.clone()
     x2[:, 16:] = (x2[:, 16:] + 7) % V  # change only the future half
-    for train_mode in (False, True):
-        m.train(train_mode)
-        a, b = m(x)[0], m(x2)[0]
-        # honest: exact top-k over the sequence lets future tokens change earlier outputs
-        assert not torch.allclose(a[:, :16], b[:, :16], atol=1e-6)
-    m.eval()
-    m.calibrate_thresholds([data(B=4, seed=s)[0] for s in range(3)])
-    m.mode = "causal"
-    for sparse in (False, True):
-        a, b = m(x, sparse=sparse)[0], m(x2, sparse=sparse)[0]
-        assert torch.allclose(a[:, :16], b[:, :16], atol=1e-12)
-        assert not torch.allclose(a[:, 16:], b[:, 16:], atol=1e-6)
+    atol, rtol = dev.tol()
+    with torch.no_grad(), dev.autocast():
+        for sparse in (False, True):  # what inference runs: earlier positions never see the future
+            a, b = m(x, sparse=sparse)[0].float(), m(x2, sparse=sparse)[0].float()
+            torch.testing.assert_close(a[:, :16], b[:, :16], atol=atol / 10, rtol=rtol / 10)
+            assert not torch.allclose(a[:, 16:], b[:, 16:], atol=atol)
+        m.train()  # honest: training's exact top-k over the sequence lets future tokens move earlier outputs
+        assert not torch.allclose(m(x)[0][:, :16].float(), m(x2)[0][:, :16].float(), atol=atol)
+        m.mode = "topk"  # and so does the paper's top-k evaluation
+        m.eval()
+        assert not torch.allclose(m(x)[0][:, :16].float(), m(x2)[0][:, :16].float(), atol=atol)
 
 
-def test_calibration_hits_the_budget():
-    m = make(rho=0.25).eval()
-    batches = [data(B=8, seed=s)[0] for s in range(4)]
-    thr = m.calibrate_thresholds(batches)
-    assert torch.isfinite(thr).all() and m.mode == "topk"  # mode restored
-    m.mode = "causal"
-    ratios = [m(x)[2]["full_ratio"].item() for x in batches]
-    assert abs(sum(ratios) / len(ratios) - 0.25) < 0.02
+def test_prefill_and_step_equal_the_full_forward(dev):
+    m = calibrated(make(torch.float32, gate="G3", block_size=16)).to(dev.device).eval()
+    x, _ = data(B=4, T=16, device=dev.device)
+    with torch.no_grad(), dev.autocast():
+        full, _, _ = m(x)                                   # (B, T, V)
+        logits, state = m.prefill(x[:, :5])
+        steps = [logits]
+        for t in range(5, 16):
+            logits, state = m.step(x[:, t:t + 1], state)
+            steps.append(logits)
+    steps, full = torch.stack(steps, 1).float(), full[:, 4:].float()
+    atol, rtol = dev.tol()
+    close = torch.isclose(steps, full, atol=atol, rtol=rtol).all(-1)  # (B, 12) positions that match
+    assert close.float().mean() >= (0.9 if dev.low else 1.0) and close[:, 0].all()
+    assert 0 < torch.stack(m.last_masks).float().mean() < 1  # both paths were really taken
 
 
-# ---- losses ----------------------------------------------------------------------------------------
-
-def test_derangement_has_no_fixed_point():
-    for n in (2, 3, 5, 17, 64, 1000):
-        for _ in range(5):
-            p = cd.derangement(n, "cpu")
-            assert sorted(p.tolist()) == list(range(n))      # a permutation
-            assert (p != torch.arange(n)).all()              # no fixed point
-
-
-def test_a2_shuffles_targets():
-    x, y = data()
-    base = make(gate="G3")
-    shuf = make(gate="G3", shuffle_targets=True)
-    assert base.train()(x, y)[2]["jepa"] != shuf.train()(x, y)[2]["jepa"]
-    assert base.eval()(x, y)[2]["jepa"] == shuf.eval()(x, y)[2]["jepa"]  # eval: never shuffled
-
-
-def test_window_looks_forward_with_decay():
-    """A CE change at position t0 only moves labels at t0−W+1 … t0, by γ^(t0−t)."""
-    T, W, g, t0 = 20, 4, 0.5, 10
-    ce_full = torch.zeros(1, T)
-    ce_cheap = torch.zeros(1, T)
-    ce_cheap[0, t0] = 1.0  # cheap hurts exactly one prediction
-    u = cd.windowed_ce(ce_cheap, W, g) - cd.windowed_ce(ce_full, W, g)
-    expect = torch.zeros(1, T)
-    for t in range(t0 - W + 1, t0 + 1):
-        expect[0, t] = g ** (t0 - t)
-    assert torch.equal(u, expect)
-    assert (u > 0).sum() == W and u[0, t0 + 1:].abs().sum() == 0  # positive sign: full is worth it
-
-
-def test_oracle_labels_match_explicit_forks():
-    m = make(oracle_window=3, oracle_gamma=0.5, label_start=0, label_every=1)
-    x, y = data(T=16)
-    y[0, 5] = -1  # ignored targets contribute 0
-    m.train()
-    m.on_step(0)
-    captured = {}
-    orig = m.oracle_labels
-    m.oracle_labels = lambda br, t: captured.setdefault("u", orig(br, t))
-    _, _, stats = m(x, y)
-    assert stats["label_step"].item() == 1 and stats["util"] > 0
-    L, C = m.cfg.n_layer, m.cfg.n_controlled
+def test_cached_generate_equals_cache_free_past_block_size(dev):
+    m = calibrated(make(torch.float32, block_size=8)).to(dev.device)
     with torch.no_grad():
-        for j in range(C):  # brute force: replay layer by layer with forced paths, per-token CE, explicit window
-            ces = []
-            for force_full in (True, False):
-                h = m.embed(x)
-                for i, block in enumerate(m.blocks):
-                    if i < L - C:
-                        h = block(h)
-                        continue
-                    jj = i - (L - C)
-                    a = h + block.attn_delta(h)
-                    if jj < j:  # the on-policy (top-k) route
-                        h = torch.where(m.last_masks[jj][..., None], a + block.ffn_delta(a), a + m.cheap[jj](a))
-                    elif jj == j and not force_full:
-                        h = a + m.cheap[jj](a)
-                    else:
-                        h = a + block.ffn_delta(a)
-                logits, _ = m.head(h)
-                ce = torch.zeros(y.shape, dtype=torch.float64)
-                for b in range(y.size(0)):
-                    for t in range(y.size(1)):
-                        if y[b, t] >= 0:
-                            ce[b, t] = F.cross_entropy(logits[b, t].double(), y[b, t])
-                win = torch.zeros_like(ce)
-                for t in range(y.size(1)):
-                    for d in range(3):
-                        if t + d < y.size(1):
-                            win[:, t] += 0.5 ** d * ce[:, t + d]
-                ces.append(win)
-            assert torch.allclose(captured["u"][j].double(), ces[1] - ces[0], atol=1e-6)
+        for p in m.parameters():  # sharp logits, so a wrong cache entry changes the greedy tokens
+            p.mul_(4)
+    calibrated(m)
+    prompt = data(B=2, T=3, device=dev.device)[0]
+    with dev.autocast():
+        a = m.generate(prompt, 30, temperature=0)
+        b = m.generate(prompt, 30, temperature=0, use_cache=False)
+    assert a.shape == (2, 33)
+    if dev.low:
+        assert torch.equal(a[:, :12], b[:, :12]) and (a == b).float().mean() > 0.9
+    else:
+        assert torch.equal(a, b)
+    m.mode = "topk"  # no causal cache for top-k: generate falls back to recomputing the window
+    assert m.generate(prompt, 3, temperature=0).shape == (2, 6)
+    with pytest.raises(common.NanorouteError, match="cached decoding routes causally"):
+        m.prefill(prompt)
 
 
-def test_labels_only_on_label_steps():
+def test_residual_stream_stays_fp32_in_every_path(dev):
+    """Numerics policy: under autocast every delta is cast to the fp32 residual where it is added."""
+    m = calibrated(make(torch.float32, block_size=16)).to(dev.device)
+    seen = []
+    for mod in (*[b.ln_1 for b in m.blocks], *[b.ln_2 for b in m.blocks], m.ln_f):
+        mod.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    x, y = data(B=4, T=16, device=dev.device)
+    with dev.autocast():
+        m.train()(x, y)
+        with torch.no_grad():
+            m.eval()(x, y), m(x, sparse=True)
+            m.step(x[:, 8:9], m.prefill(x[:, :8])[1])
+            m.step(x[:1, 8:9], m.prefill(x[:1, :8])[1])  # B = 1: one path for the whole batch
+    assert set(seen) == {torch.float32}
+
+
+@pytest.mark.parametrize("gate", ["G1", "G3"])
+def test_training_step_is_finite_and_reaches_the_routers(dev, gate):
+    m = make(torch.float32, gate=gate, label_start=0, label_every=1).to(dev.device).train()
+    m.on_step(0)
+    x, y = data(device=dev.device)
+    with dev.autocast():
+        _, loss, stats = m(x, y)
+    loss.backward()
+    assert torch.isfinite(loss) and stats["label_step"] == 1
+    for mod in (*m.gates, *m.cheap):
+        grads = [p.grad for p in mod.parameters() if p.requires_grad]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads) and sum(g.abs().sum() for g in grads) > 0
+    assert torch.isfinite(m.thresholds).all()
+
+
+# ---- routing: top-k in training, causal thresholds θ at inference ---------------------------------
+
+@pytest.mark.parametrize("rho,T,k", [(0.3, 10, 3), (0.5, 32, 16), (0.25, 13, 4), (1.0, 7, 7), (0.01, 20, 1)])
+def test_training_routes_exact_topk_whatever_the_thresholds(rho, T, k):
+    assert cd.budget_k(rho, T) == k == math.ceil(round(rho * T, 9))
+    m = make(rho=rho).train()
+    m.thresholds.fill_(math.inf)  # causal routing would send every token cheap
+    x, y = data(T=T)
+    _, _, stats = m(x, y)
+    for mask, u in zip(m.last_masks, m.last_scores):
+        assert mask.sum(-1).tolist() == [k] * x.size(0)  # exactly k full tokens in every sequence
+        assert (u.masked_fill(~mask, -1e9).topk(k, -1).values == u.topk(k, -1).values).all()
+    assert abs(stats["full_ratio"].item() - k / T) < 1e-6
+
+
+def test_thresholds_are_a_running_average_of_the_topk_cut():
+    m = make(rho=0.25)
+    assert torch.isinf(m.thresholds).all() and (m.thresholds > 0).all()  # untrained: every token cheap
+    m.eval()
+    assert m(*data())[2]["skipped"] == 1.0
+    assert (make(rho=1.0).thresholds == -math.inf).all()  # ρ = 1: every token full
+    m.train()
+    cuts = []
+    for s in range(25):
+        m(data(B=2, seed=s)[0])
+        v = torch.stack(m.last_scores).flatten(1).sort(-1, descending=True).values  # (C, B·T)
+        kb = 2 * cd.budget_k(0.25, 32)
+        cuts.append((v[:, kb - 1] + v[:, kb]) / 2)  # between the last full and the first cheap score
+        if s == 2:
+            assert torch.allclose(m.thresholds, torch.stack(cuts).mean(0), rtol=1e-12, atol=0)  # a cumulative mean ...
+    ema = torch.stack(cuts[:20]).mean(0)
+    for c in cuts[20:]:
+        ema = ema + cd.THRESHOLD_EMA * (c - ema)  # ... then a running average
+    assert torch.allclose(m.thresholds, ema, rtol=1e-12, atol=0)
+    x, before = data(B=8, seed=99)[0], m.thresholds.clone()
+    m.eval()
+    m.mode = "topk"
+    m(x)
+    m.mode = "causal"
+    m(x)  # eval routes by u > θ, and eval never moves θ, whatever the mode
+    assert torch.equal(m.thresholds, before)
+    assert all(torch.equal(mk, u > t) for mk, u, t in zip(m.last_masks, m.last_scores, m.thresholds))
+    assert abs(torch.stack(m.last_masks).float().mean() - 0.25) < 0.1  # held-out tokens: near the budget
+    fresh = make(rho=0.25)
+    fresh.load_state_dict(m.state_dict())  # θ travels in the checkpoint
+    assert torch.equal(fresh.eval()(x)[0], m(x)[0])
+
+
+def test_eval_reports_causal_hard_loss_and_the_topk_soft_loss():
+    m = calibrated(make(gate="G3"))
+    x, y = data(B=4)
+    lm_train = m.train()(x, y)[2]["lm_loss"]  # the training computation (no labels, no dropout)
+    calibrated(m)
+    m.eval()
+    logits, loss, st = m(x, y)
+    assert abs(st["soft_loss"] - lm_train) < 1e-9  # soft = top-k, what training optimises
+    assert abs(st["lm_loss"] - F.cross_entropy(logits.flatten(0, 1), y.flatten())) < 1e-6  # hard = causal
+    assert abs(st["lm_loss"] - st["soft_loss"]) > 1e-4  # they are different computations here
+    full = torch.stack([mk.double().mean() for mk in m.last_masks])
+    L, C = m.cfg.n_layer, m.cfg.n_controlled
+    assert [f"skip_l{i}" for i in range(L - C, L)] == [k for k in st if k.startswith("skip_l")]
+    assert torch.allclose(torch.stack([st[f"skip_l{i}"] for i in range(L - C, L)]).double(), 1 - full)
+    dense = common.dense_flops_per_token(m.cfg, 32)
+    ffn, chp = common.flops_ffn(32, 128), common.flops_ffn(32, 4)
+    ours = dense + sum(f * ffn + (1 - f) * chp + cd.controller_flops(m.cfg, False) - ffn for f in full.tolist())
+    assert abs(st["flops_saved_hard"] - (1 - ours / dense)) < 1e-6
+    m.mode = "topk"
+    st = m(x, y)[2]
+    assert abs(st["lm_loss"] - lm_train) < 1e-9 and st["soft_loss"] == st["lm_loss"]
+
+
+def test_routing_map():
+    m = calibrated(make(torch.float32))
+    x = data(B=1)[0]
+    mp, rows, legend = m.routing_map(x)
+    assert mp.shape == (2, 32) and rows == ["layer 1", "layer 2"] and legend == ("cheap FFN", "full FFN")
+    assert set(mp.unique().tolist()) == {0.0, 1.0} and m.training  # hard decisions; mode restored
+    m.eval()
+    m(x)
+    assert torch.equal(mp, torch.stack(m.last_masks)[:, 0].float())  # what inference runs
+
+
+def test_controller_decides_in_fp32_under_autocast():
+    """Numerics policy: the score, hence the decision, depends on a only, not on the autocast dtype."""
+    for gate in ("G1", "G3"):
+        m = make(torch.float32, gate=gate)
+        a = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))
+        ref = m.controller(1, a)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            u = m.controller(1, a)[0]
+        assert u.dtype == torch.float32 and torch.equal(u, ref)
+
+
+def test_init_spreads_the_scores_and_the_actions():
+    """At step 0 the top-k must be decided by the features, not by rounding (GPT's 0.02 init gave var(u) 1e-12)."""
+    for gate in ("G1", "G3"):
+        m = make(torch.float32, gate=gate, randomize_cheap=False)
+        a = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(0))  # a residual stream of unit scale
+        for j in range(2):
+            u = m.controller(j, a)[0]
+            assert u.std() > 1e-3 and u.std() > 1e-2 * u.mean().abs(), (gate, u.std(), u.mean())
+        if gate == "G3":
+            assert all((g.e[0] - g.e[1]).norm() > 1 and g.e.std() > 0.5 for g in m.gates)  # q_full ≠ q_cheap
+
+
+# ---- the paper's equations, against the reference replay -------------------------------------------
+
+@pytest.mark.parametrize("gate", ["G1", "G3"])
+def test_gate_reads_the_post_attention_state_and_the_head_its_three_inputs(gate):
+    m = make(gate=gate).train()
+    x, _ = data()
+    m(x)
+    for ref, u in zip(replay(m, x), m.last_scores):
+        assert torch.allclose(u, ref["u"].float() if u.dtype == torch.float32 else ref["u"], atol=1e-10)
+
+
+def test_jepa_pairs_q_with_its_own_action_and_averages_layers():
+    m = make(gate="G3").train()
+    x, y = data()
+    st = m(x, y)[2]
+    ref = replay(m, x)
+    per_layer = []
+    for r, g in zip(ref, m.gates):
+        zf, zc = g.target(r["h_full"]), g.target(r["h_cheap"])
+        per_layer.append((2 - F.cosine_similarity(r["qf"], zf, -1) - F.cosine_similarity(r["qc"], zc, -1)).mean())
+    assert abs(st["jepa"] - torch.stack(per_layer).mean()) < 1e-10  # eq. (14), then 1/C Σ_l
+    swapped = torch.stack([(2 - F.cosine_similarity(r["qf"], g.target(r["h_cheap"]), -1)
+                            - F.cosine_similarity(r["qc"], g.target(r["h_full"]), -1)).mean() for r, g in zip(ref, m.gates)])
+    assert abs(swapped.mean() - st["jepa"]) > 1e-3  # the check can tell the pairing apart
+
+
+def test_budget_and_alive_are_per_layer():
+    m = make(gate="G1", rho=0.5, p_min=0.3)
+    with torch.no_grad():
+        m.gates[0].w2.bias.fill_(8.0)   # layer 1: p ≈ 0.98
+        m.gates[1].w2.bias.fill_(-8.0)  # layer 2: p ≈ 0.02 (layer-mean ≈ ρ: a pooled p̄ would see no violation)
+    x, y = data()
+    st = m.train()(x, y)[2]
+    p_bar = torch.stack([r["p"].mean() for r in replay(m, x)])
+    assert abs(st["budget"] - ((p_bar - 0.5) ** 2).mean()) < 1e-10 and st["budget"] > 0.15  # eq. (20)
+    assert abs(st["alive"] - F.relu(0.3 - p_bar).mean()) < 1e-10 and st["alive"] > 0.1     # eq. (21)
+
+
+def test_loss_is_eq_19_with_each_lambda_on_its_own_term():
+    lams = dict(lam_jepa=0.3, lam_util=0.7, lam_rank=0.11, lam_b=1.9, lam_a=2.3)
+    m = make(gate="G3", p_min=0.6, label_start=0, label_every=1, **lams).train()
+    m.on_step(0)
+    x, y = data()
+    torch.manual_seed(5)
+    _, loss, st = m(x, y)
+    ref = replay(m, x)
+    u_star = m.oracle_labels(prefix(m, x), y)
+    util = torch.stack([F.huber_loss(r["u"], us) for r, us in zip(ref, u_star)]).mean()     # eq. (17)
+    torch.manual_seed(5)
+    rank = torch.stack([cd.rank_loss(r["u"], us) for r, us in zip(ref, u_star)]).mean()     # eq. (18), same pairs
+    assert abs(st["util"] - util) < 1e-9 and abs(st["rank"] - rank) < 1e-9 and st["alive"] > 0
+    expect = st["lm_loss"] + 0.3 * st["jepa"] + 0.7 * util + 0.11 * rank + 1.9 * st["budget"] + 2.3 * st["alive"]
+    assert abs(loss - expect) < 1e-9
+
+
+def test_jepa_gradient_stays_in_the_controller():
+    """sg(h) in eq. (11) and sg(T(h*)) in eq. (14): L_JEPA trains W_c, e, P only, never the backbone or the
+    cheap path, even when the backbone is trainable."""
+    grads = []
+    for lam in (0.0, 5.0):
+        m = make(gate="G3", controller_only=False, lam_jepa=lam, lam_b=0.0, lam_a=0.0).train()
+        x, y = data()
+        m(x, y)[1].backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    for name, g in grads[0].items():
+        same = torch.allclose(g, grads[1][name], atol=1e-12)
+        assert same != any(s in name for s in (".w_c.", ".e", ".pred.")), name
+
+
+def test_straight_through_gradient_is_eq_8():
+    """Forward = hard top-k; dL/du = <dL/dh, h_full − h_cheap> · σ'(u/τ)/τ from the LM loss alone."""
+    m = make(gate="G1", lam_jepa=0.0, lam_util=0.0, lam_rank=0.0, lam_b=0.0, lam_a=0.0).train()
+    x, y = data()
+    ref = replay(m, x)
+    u = ref[-1]["u"].detach().requires_grad_(True)  # the last layer's score, fed through eq. (8) by hand
+    p = torch.sigmoid(u / m.cfg.tau)
+    m_st = ((ref[-1]["m"].double() - p).detach() + p)[..., None]
+    h = m_st * ref[-1]["h_full"].detach() + (1 - m_st) * ref[-1]["h_cheap"].detach()
+    _, lm = m.head(h, y)
+    lm.backward()
+    hh = h.detach().requires_grad_(True)
+    (g_h,) = torch.autograd.grad(m.head(hh, y)[1], hh)
+    expect = (g_h * (ref[-1]["h_full"] - ref[-1]["h_cheap"])).sum(-1) * p * (1 - p) / m.cfg.tau
+    assert torch.allclose(u.grad, expect.detach(), atol=1e-12)
+    # and the model's own backward sends exactly this to the last gate's output bias
+    _, loss, _ = m(x, y)
+    assert abs(loss - lm) < 1e-12  # the same forward value as the hand-made eq. (9)
+    loss.backward()
+    assert torch.allclose(m.gates[-1].w2.bias.grad, u.grad.sum().reshape(1), atol=1e-10)
+
+
+def test_cheap_path_starts_as_identity_and_rho1_is_the_dense_gpt():
+    m = make(randomize_cheap=False).eval()
+    assert all((f.down.weight == 0).all() and (f.down.bias == 0).all() for f in m.cheap)
+    x, y = data()
+    logits, _, stats = m(x, y)  # untrained θ = +∞: every token cheap
+    assert stats["full_ratio"].item() == 0.0
+    h = m.embed(x)
+    for i, block in enumerate(m.blocks):
+        h = h + block.attn_delta(h)
+        if i < m.cfg.n_layer - m.cfg.n_controlled:
+            h = h + block.ffn_delta(h)  # the FFN of controlled layers is skipped
+    assert torch.allclose(logits, m.head(h)[0], atol=1e-12)
+    m1 = make(randomize_cheap=False, rho=1.0).eval()
+    dense = common.Model(tiny()).to(torch.float64)
+    dense.load_state_dict(m1.state_dict(), strict=False)
+    assert torch.allclose(m1(x)[0], dense.eval()(x)[0], atol=1e-12)
+
+
+# ---- the oracle (eqs. 15–16): the paper's per-token fork, independent of the gate policy ------------
+
+def forced_ce(m, x, y, cheap_at):
+    """Per-token CE of the model with every controlled FFN full, except cheap_at {layer j: (B, T) bool}."""
+    h, L, C = m.embed(x), m.cfg.n_layer, m.cfg.n_controlled
+    for i, block in enumerate(m.blocks):
+        a = h + block.attn_delta(h)
+        j = i - (L - C)
+        h = a + block.ffn_delta(a)
+        if j in cheap_at:
+            h = torch.where(cheap_at[j][..., None], a + m.cheap[j](a), h)
+    logits = m.head(h)[0]
+    return torch.stack([torch.stack([F.cross_entropy(logits[b, t], y[b, t]) if y[b, t] >= 0 else logits.new_zeros(())
+                                     for t in range(y.size(1))]) for b in range(y.size(0))])
+
+
+def window(ce, W, g):
+    T = ce.size(1)
+    return torch.stack([sum(g ** d * ce[:, t + d] for d in range(W) if t + d < T) for t in range(T)], 1)
+
+
+def test_oracle_labels_are_the_papers_per_token_fork():
+    """eq. (15): token t alone forked at layer j (everything else full, the dense prefix), windowed CE (eq. 16)."""
+    m = make(n_layer=4, n_controlled=3, oracle_window=3, oracle_gamma=0.5)
+    x, y = data(B=2, T=12)
+    y[0, 5] = -1  # ignored targets contribute 0
+    with torch.no_grad():
+        labels = m.oracle_labels(prefix(m, x), y)
+        dense = window(forced_ce(m, x, y, {}), 3, 0.5)
+        for j in range(3):
+            expect = torch.zeros_like(dense)
+            for t in range(12):
+                only_t = torch.zeros_like(y, dtype=torch.bool)
+                only_t[:, t] = True
+                expect[:, t] = (window(forced_ce(m, x, y, {j: only_t}), 3, 0.5) - dense)[:, t]
+            assert torch.allclose(labels[j], expect, atol=1e-10), j
+            # not the cheaper all-tokens-at-once fork (the audit's 0.87-correlated labels)
+            every = window(forced_ce(m, x, y, {j: torch.ones_like(y, dtype=torch.bool)}), 3, 0.5) - dense
+            assert not torch.allclose(labels[j], every, atol=1e-4)
+    assert labels[0].abs().min() > 0  # the later layers really carry the fork's effect
+
+
+def test_oracle_is_independent_of_the_gate_policy():
+    m = make(n_layer=4, n_controlled=3, oracle_window=4)
+    x, y = data(B=2, T=16)
+    h = prefix(m, x)
+    a = m.oracle_labels(h, y)
+    with torch.no_grad():
+        for g in m.gates:  # a different policy: other scores, another order
+            g.head[2].weight.normal_(0, 5.0)
+    m.train()(x, y)
+    assert all(torch.equal(p, q) for p, q in zip(a, m.oracle_labels(h, y)))
+
+
+def test_labels_only_on_label_steps_and_training_uses_them():
     m = make(label_start=100, label_every=5)
     x, y = data()
     m.train()
@@ -298,24 +500,46 @@ def test_labels_only_on_label_steps():
     assert m3(x, y)[2]["label_step"].item() == 0  # A3: never computes labels
 
 
-def test_rank_loss_direction():
+def test_window_looks_forward_with_decay():
+    """A CE change at position t0 only moves labels at t0−W+1 … t0, by γ^(t0−t)."""
+    T, W, g, t0 = 20, 4, 0.5, 10
+    ce = torch.zeros(1, T)
+    ce[0, t0] = 1.0
+    u = cd.windowed_ce(ce, W, g)
+    expect = torch.zeros(1, T)
+    for t in range(t0 - W + 1, t0 + 1):
+        expect[0, t] = g ** (t0 - t)
+    assert torch.equal(u, expect)
+
+
+def test_rank_loss_direction_and_ties():
     u_star = torch.arange(10.0)[None]
     torch.manual_seed(0)
-    good, bad = cd.rank_loss(u_star * 3, u_star), cd.rank_loss(-u_star * 3, u_star)
-    assert good < math.log(2) < bad
+    assert cd.rank_loss(u_star * 3, u_star) < math.log(2) < cd.rank_loss(-u_star * 3, u_star)
+    u = torch.randn(2, 8)
+    assert cd.rank_loss(u, torch.zeros(2, 8)) == 0  # every pair tied: no pair counts
+    u_star = torch.tensor([[0.0, 0, 1, 1, 2, 2, 3, 3], [5, 5, 5, 5, 1, 1, 1, 1]])
+    torch.manual_seed(3)
+    got = cd.rank_loss(u, u_star)
+    torch.manual_seed(3)
+    perm = torch.randperm(8)
+    s = torch.sign(u_star - u_star[:, perm])
+    keep = s != 0
+    assert keep.sum() < keep.numel()  # this permutation does pair some ties
+    assert torch.allclose(got, F.softplus(-s * (u - u[:, perm]))[keep].mean())
 
 
-def test_budget_and_alive_losses():
-    m = make(rho=0.5, p_min=0.05)
+def test_derangement_and_a2_shuffle():
+    for n in (2, 3, 17, 1000):
+        p = cd.derangement(n, "cpu")
+        assert sorted(p.tolist()) == list(range(n)) and (p != torch.arange(n)).all()
     x, y = data()
-    with torch.no_grad():
-        for g in m.gates:
-            g.head[2].bias.fill_(-40.0)  # p ≈ 0 everywhere
-    _, _, st = m.train()(x, y)
-    assert abs(st["budget"].item() - 0.25) < 1e-6 and abs(st["alive"].item() - 0.05) < 1e-6
+    base, shuf = make(gate="G3"), make(gate="G3", shuffle_targets=True)
+    assert base.train()(x, y)[2]["jepa"] != shuf.train()(x, y)[2]["jepa"]
+    assert base.eval()(x, y)[2]["jepa"] == shuf.eval()(x, y)[2]["jepa"]  # eval: never shuffled
 
 
-# ---- training scope --------------------------------------------------------------------------------
+# ---- training scope, CLI ---------------------------------------------------------------------------
 
 def test_controller_only_freezes_the_backbone():
     m = make(gate="G3", label_start=0)
@@ -325,69 +549,74 @@ def test_controller_only_freezes_the_backbone():
     for name, p in m.named_parameters():
         trainable = name.startswith(("cheap.", "gates.")) and ".target." not in name
         assert p.requires_grad == trainable, name
-        if trainable:
-            assert p.grad is not None and p.grad.abs().sum() > 0, name
-        else:
-            assert p.grad is None, name
+        assert (p.grad is not None and p.grad.abs().sum() > 0) if trainable else p.grad is None, name
     full = make(controller_only=False)
     full.train()(x, y)[1].backward()
     assert full.blocks[0].mlp.c_fc.weight.grad is not None and full.wte.weight.grad is not None
 
 
-# ---- CLI, --init_from a dense checkpoint -----------------------------------------------------------
-
 ARCH = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2", "--eval_iters=1"]
 
 
-def test_init_from_dense_checkpoint_rho1_reproduces_dense(data_dir, tmp_path, capsys):
+def test_init_from_dense_checkpoint_rho1_reproduces_dense(data_dir, tmp_path):
     gpt_dir, cd_dir = str(tmp_path / "gpt"), str(tmp_path / "cd")
     train.main(["--model", "gpt", f"--data_dir={data_dir}", f"--out_dir={gpt_dir}", "--max_iters=3", *ARCH])
     train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={cd_dir}", "--max_iters=0",
                 f"--init_from={gpt_dir}/ckpt.pt", "--rho=1.0", "--n_controlled=1"])
     g, c = common.load_checkpoint(f"{gpt_dir}/ckpt.pt"), common.load_checkpoint(f"{cd_dir}/ckpt.pt")
-    dense = common.Model(common.Config(**{k: v for k, v in g["config"].items()}))
+    dense = common.Model(common.Config(**g["config"]))
     dense.load_state_dict(g["model"])
     ours = cd.Model(cd.Config(**c["config"]))
     ours.load_state_dict(c["model"])
     x = torch.randint(0, dense.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     ld, lo = dense.eval()(x)[0], ours.eval()(x)[0]
-    assert torch.allclose(ld, lo, atol=1e-5)
-    assert torch.allclose(ours(x, sparse=True)[0], ld, atol=1e-5)
-    # ρ = 0.5 routes half the tokens cheap (identity at init): no longer the dense model
-    ours.cfg.rho = 0.5
+    assert torch.allclose(ld, lo, atol=1e-5) and torch.allclose(ours(x, sparse=True)[0], ld, atol=1e-5)
+    ours.cfg.rho, ours.mode = 0.5, "topk"  # half the tokens cheap (identity at init): no longer the dense model
     assert not torch.allclose(ours(x)[0], ld, atol=1e-4)
 
 
-def test_cli_smoke_with_labels(data_dir, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    best = train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=4",
-                       "--label_start=0", "--label_every=2", "--recipe=G1", "--log_interval=1", *ARCH,
-                       "--n_controlled=1", "--eval_interval=2"])
-    assert math.isfinite(best)
-    text = open(os.path.join(out, "metrics.jsonl")).read()
-    assert "val_full_ratio" in text and '"util"' in text
+def test_cli_run_logs_hard_soft_and_resumes_exactly(data_dir, tmp_path, monkeypatch, capsys):
+    def run(out, *extra):
+        return train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=8",
+                           "--label_start=0", "--label_every=2", "--recipe=G1", "--log_interval=1", *ARCH,
+                           "--n_controlled=1", "--eval_interval=4", *extra])
+    recs = lambda out: [{k: v for k, v in json.loads(r).items() if k != "time"} for r in open(out / "metrics.jsonl")]
+    assert math.isfinite(run(tmp_path / "a"))
+    evals = [r for r in recs(tmp_path / "a") if r["kind"] == "eval"]
+    assert {"val_soft_loss", "val_skip_l1", "val_skipped", "val_flops_saved_hard"} <= set(evals[-1])
+    assert 0 < evals[-1]["val_skipped"] < 1  # the causal thresholds were learnt during training
+    real = common.lr_at
+    monkeypatch.setattr(common, "lr_at", lambda it, cfg: (_ for _ in ()).throw(KeyboardInterrupt) if it == 6
+                        else real(it, cfg))
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b")
+    monkeypatch.setattr(common, "lr_at", real)
+    run(tmp_path / "b", "--resume")
+    assert recs(tmp_path / "a") == recs(tmp_path / "b")  # θ and its batch count are in the checkpoint
     with pytest.raises(SystemExit) as e:
-        train.main(["--model", "conddepth", f"--data_dir={data_dir}", "--rho=0"])
-    assert e.value.code == 2 and "rho" in capsys.readouterr().err
+        train.main(["--model", "conddepth", f"--data_dir={data_dir}", "--recipe=A1", "--lam_jepa=0.5"])
+    assert e.value.code == 2 and "contradicts" in capsys.readouterr().err
 
 
-# ---- compute proxies with the paper's dimensions ---------------------------------------------------
+# ---- compute proxies -------------------------------------------------------------------------------
 
 def test_compute_proxies_paper_dims():
     P = cd.PRESETS["paper"]
     g1, g3 = cd.Config(**P, recipe="G1"), cd.Config(**P, recipe="G3")
-    # the paper's trainable controller counts (§4) come out exactly
-    for cfg, n in ((g1, 828_484), (g3, 849_348)):
+    for cfg, n in ((g1, 828_484), (g3, 849_348)):  # the paper's trainable controller counts (§4), exactly
         parts = [cd.CheapFFN(cfg), (cd.GateG1 if cfg.gate == "G1" else cd.GateG3)(cfg)]
         assert cfg.n_controlled * sum(p.numel() for m in parts for p in m.parameters() if p.requires_grad) == n
-    # inference: paper 0.547 (G1) … 0.553 (G3)
-    assert abs(cd.infer_vs_full(g1) - (0.5 + 0.5 * 80 / 2560 + 640 * 160 / (2 * 640 * 2560) + 160 / (2 * 640 * 2560))) < 1e-12
-    assert abs(cd.infer_vs_full(g1) - 0.547) < 0.001 and abs(cd.infer_vs_full(g3) - 0.553) < 0.001
-    # training without oracle (A3): paper 1.054 (G1) / 1.068 (G3); ours 1.0625 / 1.093 (we also count T)
+    ffn, ctrl = 2 * 2 * 640 * 2560, 2 * (640 * 160 + 160)
+    for rho in (0.25, 0.5, 0.9):  # eq.: ρ·1 + (1 − ρ)·r/d_ff + ctrl/FFN
+        c = cd.Config(**P, recipe="G1", rho=rho)
+        assert abs(cd.infer_vs_full(c) - (rho + (1 - rho) * 80 / 2560 + ctrl / ffn)) < 1e-12
+        T, full = 256, [rho] * 4  # inference FLOPs at a uniform ρ = the dense model minus C·FFN·(1 − infer_vs_full)
+        assert abs(cd.flops_per_token(c, T, full) - common.dense_flops_per_token(c, T)
+                   - 4 * ffn * (cd.infer_vs_full(c) - 1)) < 1e-3 * ffn
+    assert abs(cd.infer_vs_full(g1) - 0.547) < 0.001 and abs(cd.infer_vs_full(g3) - 0.553) < 0.001  # paper
     a3g1, a3g3 = cd.Config(**P, recipe="A3-G1"), cd.Config(**P, recipe="A3-G3")
     assert abs(cd.compute_vs_full(a3g1) - 1.0625) < 1e-3 and abs(cd.compute_vs_full(a3g3) - 1.0931) < 1e-3
-    # standard recipe: + oracle = (C − 1) units per controlled layer on 3980 of 20000 steps (paper: 1.513 / 1.527)
-    frac = 3980 / 20000
+    frac = 3980 / 20000  # labels from step 100, every 5, of 20k
     assert abs(cd.label_fraction(g3) - frac) < 1e-12
-    assert abs(cd.compute_vs_full(g3) - cd.compute_vs_full(a3g3) - 3 * frac) < 1e-12
-    assert 1.5 < cd.compute_vs_full(g1) < 1.7 and 1.5 < cd.compute_vs_full(g3) < 1.7
+    per_token = 4 + 4 * 80 / 2560 + 8 * 6  # dense pass + cheap forks + W × C(C−1)/2 later token-layers
+    assert abs(cd.compute_vs_full(g3) - cd.compute_vs_full(a3g3) - frac * per_token / 4) < 1e-12
