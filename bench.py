@@ -425,6 +425,7 @@ def bench_conddepth(args, device):
         if args.ckpt:
             model.load_state_dict(ck["model"], strict=False)
         x, _ = batch(cfg, B, T, device)
+        model.calibrate_thresholds([x])  # causal θ at the budget ρ (a fresh model starts at θ = +∞: all cheap)
         block, cheap = model.blocks[-1], model.cheap[-1]
         a = torch.randn(B, T, cfg.n_embd, device=device)
         m = cd.topk_mask(torch.randn(B, T, device=device), cd.budget_k(rho, T))
@@ -451,6 +452,7 @@ def bench_conddepth(args, device):
         rows.append({"suite": "conddepth", "what": "model_forward", "rho": rho, "B": B, "T": T,
                      "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"], "speedup": t["dense"] / t["sparse"],
                      "ideal_speedup": ideal, "infer_vs_full": cd.infer_vs_full(cfg)})
+        rows += decode_rows("conddepth", model, device, args, {"rho": rho})
     return rows
 
 
