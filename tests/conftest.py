@@ -65,3 +65,16 @@ def _dev_params():
 def dev(request):
     """One (device, dtype) of the matrix: dev.device, dev.dtype, dev.autocast(), dev.tol()."""
     return Dev(*request.param)
+
+
+@torch.no_grad()
+def decoded_vs_full(model, idx, start):
+    """Logits of prefill(idx[:, :start]) then one step per later token, and the full forward's logits at the
+    same positions: (steps (B, T − start + 1, V), full (B, T − start + 1, V)), both fp32."""
+    full, _, _ = model(idx)                                   # (B, T, V)
+    logits, state = model.prefill(idx[:, :start])
+    steps = [logits]
+    for t in range(start, idx.size(1)):
+        logits, state = model.step(idx[:, t:t + 1], state)
+        steps.append(logits)
+    return torch.stack(steps, 1).float(), full[:, start - 1:].float()

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import common
 import train
-from conftest import ROOT
+from conftest import ROOT, decoded_vs_full
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -378,15 +378,10 @@ def sharp(model):
 def test_gpt_prefill_and_step_equal_the_full_forward(dev):
     model = sharp(common.Model(tiny(block_size=16))).to(dev.device).eval()
     idx = torch.randint(0, 50, (3, 16), device=dev.device)
-    with torch.no_grad(), dev.autocast():
-        full, _, _ = model(idx)                     # (B, T, V)
-        logits, state = model.prefill(idx[:, :5])
-        steps = [logits]
-        for t in range(5, 16):
-            logits, state = model.step(idx[:, t:t + 1], state)
-            steps.append(logits)
+    with dev.autocast():
+        steps, full = decoded_vs_full(model, idx, 5)
     atol, rtol = dev.tol()
-    torch.testing.assert_close(torch.stack(steps, 1).float(), full[:, 4:].float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(steps, full, atol=atol, rtol=rtol)
 
 
 def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):

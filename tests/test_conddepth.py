@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+from conftest import decoded_vs_full
 import conddepth as cd
 import train
 
@@ -154,14 +155,8 @@ def test_eval_is_causal_training_topk_is_not(dev):
 def test_prefill_and_step_equal_the_full_forward(dev):
     m = calibrated(make(torch.float32, gate="G3", block_size=16)).to(dev.device).eval()
     x, _ = data(B=4, T=16, device=dev.device)
-    with torch.no_grad(), dev.autocast():
-        full, _, _ = m(x)                                   # (B, T, V)
-        logits, state = m.prefill(x[:, :5])
-        steps = [logits]
-        for t in range(5, 16):
-            logits, state = m.step(x[:, t:t + 1], state)
-            steps.append(logits)
-    steps, full = torch.stack(steps, 1).float(), full[:, 4:].float()
+    with dev.autocast():
+        steps, full = decoded_vs_full(m, x, 5)
     atol, rtol = dev.tol()
     close = torch.isclose(steps, full, atol=atol, rtol=rtol).all(-1)  # (B, 12) positions that match
     assert close.float().mean() >= (0.9 if dev.low else 1.0) and close[:, 0].all()
