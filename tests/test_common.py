@@ -314,6 +314,23 @@ def test_cli_end_to_end_subprocess(data_dir, tmp_path):
         "error: unknown model 'nope'; choose one of gpt, tsa, dtrnet, conddepth, hybrid")
 
 
+@pytest.mark.parametrize("model", ["gpt", "tsa", "dtrnet", "conddepth", "hybrid"])
+def test_compile_trains_every_model_like_eager(model, data_dir, tmp_path):
+    """--compile=true (issue 16) runs train.py end to end (train steps, a mode switch, evals, the summary's
+    sparse pass) and gives eager's losses: a compile that breaks or changes a model fails here."""
+    losses = {}
+    for c in ("false", "true"):
+        out = subprocess.run([sys.executable, "train.py", f"--model={model}", f"--data_dir={data_dir}",
+                              f"--out_dir={tmp_path / c}", "--n_layer=4", "--n_embd=32", "--n_head=2",
+                              "--block_size=32", "--batch_size=4", "--max_iters=4", "--eval_interval=2",
+                              "--eval_iters=1", f"--compile={c}"] + (["--hard_ft_iters=2"] if model == "tsa" else []),
+                             cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        losses[c] = [r["val_loss"] for r in map(json.loads, open(tmp_path / c / "metrics.jsonl")) if r["kind"] == "eval"]
+    assert len(losses["true"]) == 3 and losses["true"] == pytest.approx(losses["false"], abs=2e-3)
+
+
 def test_ddp_two_processes_on_cpu(data_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
