@@ -24,6 +24,10 @@ Deviations from the paper (Config fields; `--preset paper` sets the paper's valu
   * hard_ft_iters=250: the last 250 iterations (of the default 2250) train with straight-through hard
     gates — forward = the eval gate, gradient = that of 1 − p — so that the hard routing inference runs is
     the one the model was trained with (the paper trains soft only; results/tsa.md, issue 12).
+  * freeze_routers (`--preset paper` sets it, with hard_ft_iters=750 of the paper's 5000): the routers are
+    frozen during the straight-through phase — no gradient, so AdamW does not move them — and only the
+    backbone adapts to their hard decisions. Trained routers re-open in that phase at the paper's scale
+    (halting almost nothing); frozen ones keep the soft model's skip share (results/tsa.md, CPU proxy).
   * hard_variant="scaled": an active token keeps its soft scale 1 − p at inference (paper: "01", the full
     update); better than "01" in every run of results/tsa.md.
   * skip_queries=True: the sparse path also skips halted tokens' query / attention / out-projection work
@@ -60,6 +64,7 @@ class Config(common.Config):
     skip_queries: bool = True       # sparse path: halted tokens also skip Q / attention / out-proj
     eval_soft: bool = True          # eval also runs the soft pass (soft_loss next to the hard loss)
     hard_ft_iters: int = 250        # the last iterations train with straight-through hard gates (all if > max_iters)
+    freeze_routers: bool = False    # ... with the routers frozen there (no gradient, no update): only the backbone adapts
     variant: str = "tsa"            # "tsa" | "early_exit" (the §3.5 baseline)
     threshold: float = 1.0          # early exit: exit when max softmax prob > threshold (1.0: never)
     model: str = "tsa"
@@ -162,6 +167,8 @@ class Model(common.LM):
         ps = []
         for router, block in zip(self.routers, self.blocks[1:]):
             p = router(x)  # (B, T, 1) p_l from the state after block l
+            if mode == "hard_st" and self.cfg.freeze_routers:
+                p = p.detach()  # frozen: no gradient reaches the router, so AdamW skips it (no decay either)
             g = self.gate(p, mode)
             x = x + g * block.attn_delta(x).to(x.dtype)  # eq. (3)
             x = x + g * block.ffn_delta(x).to(x.dtype)   # eq. (4)

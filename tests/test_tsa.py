@@ -388,6 +388,32 @@ def test_on_step_hard_phase():
     assert torch.allclose(a, b, atol=1e-12)
 
 
+def test_frozen_routers_get_no_update():
+    """freeze_routers: in the straight-through phase the routers receive no gradient, so AdamW leaves them
+    exactly as they were (no momentum step, no weight decay) while the backbone trains on their hard
+    decisions; before the phase they train as usual."""
+    m = make(mixed=True, dtype=torch.float32, max_iters=6, hard_ft_iters=3, freeze_routers=True, lam=0.1).train()
+    opt = common.make_optimizer(m, m.cfg, torch.device("cpu"))
+    x = ids()
+    snap = lambda mod: [p.detach().clone() for p in mod.parameters()]  # noqa: E731
+    for it in range(6):
+        if it == 3:  # entering the phase: Adam has momentum for the routers from the soft steps
+            routers, backbone = snap(m.routers), snap(m.blocks)
+        m.on_step(it)
+        _, loss, _ = m(x, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        assert m.hard_train == (it >= 3)
+        assert all((p.grad is None) == m.hard_train for p in m.routers.parameters())
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(routers, snap(m.routers)))
+    assert not any(torch.equal(a, b) for a, b in zip(backbone, snap(m.blocks)) if a.dim() == 2)
+    m.cfg.freeze_routers = False  # the unfrozen phase (the default recipe) still trains them
+    _, loss, _ = m(x, x)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.routers.parameters())
+
+
 # ----------------------------------------------------------------------------------------------------
 # Early-exit baseline (§3.5)
 
