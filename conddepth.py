@@ -35,6 +35,12 @@ full), the cheap branch of (l, t) changes only token t's FFN at layer l; all B·
 batch, W positions each (W× the later layers' work of one pass). P/D widths 64 in the paper preset give its
 trainable counts exactly (G1 828,484, G3 849,348).
 
+Fine-tuning from a trained dense GPT (issue 12). The paper's scope (controller_only, §3.4) freezes the backbone,
+so at ρ = 0.5 half the tokens of the C controlled layers trade their FFN for the rank-r cheap FFN and nothing
+else can adapt: from a well-trained start the routed model ends worse than that start. controller_only=False
+(our deviation; the paper lists joint training as future work) also trains the backbone with the controller,
+and ends below its start (results/conddepth.md, issue 12 item 3).
+
 Training vs inference. Training routes by exact top-k per sequence (eqs. 7–9), which looks at FUTURE tokens.
 What inference runs (eval, mode="causal", the default) routes each token alone: full iff u > θ_l, θ_l a
 running average of the training batches' top-k cut (midway between the kB-th and next score), kept in the

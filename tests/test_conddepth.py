@@ -570,6 +570,32 @@ def test_init_from_dense_checkpoint_rho1_reproduces_dense(data_dir, tmp_path):
     assert not torch.allclose(ours(x)[0], ld, atol=1e-4)
 
 
+def test_finetune_from_a_dense_start_controller_only_vs_joint(data_dir, tmp_path):
+    """Issue 12 item 3. Controller-only (the paper's scope) leaves the dense start untouched: routing every
+    token full gives the start's logits exactly, so the routed model can only lose what the cheap path does
+    not recover. controller_only=false (the fine-tune recipe) trains the backbone too, and still the routers."""
+    gpt_dir = str(tmp_path / "gpt")
+    train.main(["--model", "gpt", f"--data_dir={data_dir}", f"--out_dir={gpt_dir}", "--max_iters=3", *ARCH])
+    g = common.load_checkpoint(f"{gpt_dir}/ckpt.pt")
+    dense = common.Model(common.Config(**g["config"]))
+    dense.load_state_dict(g["model"])
+    x = torch.randint(0, dense.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    for joint in (False, True):
+        out = str(tmp_path / f"cd-joint{joint}")
+        train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={out}", f"--init_from={gpt_dir}/ckpt.pt",
+                    "--max_iters=4", "--warmup_iters=0", "--learning_rate=1e-3", "--batch_size=2", "--eval_iters=1",
+                    "--n_controlled=1", "--recipe=A3-G1", f"--controller_only={str(not joint).lower()}"])
+        c = common.load_checkpoint(f"{out}/ckpt.pt")
+        m = cd.Model(cd.Config(**c["config"]))
+        m.load_state_dict(c["model"])
+        moved = [n for n, p in m.named_parameters() if n in g["model"] and not torch.equal(p, g["model"][n])]
+        assert bool(moved) == joint and (not joint or "blocks.0.mlp.c_fc.weight" in moved), moved
+        assert m.cheap[0].down.weight.abs().sum() > 0 and torch.isfinite(m.thresholds).all()  # routers trained
+        m.eval().thresholds.fill_(-math.inf)  # every token full: the dense start again, unless the backbone moved
+        same = torch.allclose(m(x)[0], dense.eval()(x)[0], atol=1e-5)
+        assert same != joint
+
+
 def test_cli_run_logs_hard_soft_and_resumes_exactly(data_dir, tmp_path, monkeypatch, capsys):
     def run(out, *extra):
         return train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=8",
