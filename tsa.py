@@ -20,14 +20,17 @@ keeps these semantics: the cache of every layer holds the K/V of every token (ha
 their state at that layer), and a halted token skips q / attention / c_proj / FFN at that layer, so decode
 saves (1 − α)·(q + attention + out-proj + FFN) per routed layer.
 
-Deviations from the paper (Config fields; `--preset paper` sets the paper's values):
+Deviations from the paper (Config fields; `--preset paper` sets the paper's values except hard_ft_*):
   * hard_ft_iters=250: the last 250 iterations (of the default 2250) train with straight-through hard
     gates — forward = the eval gate, gradient = that of 1 − p — so that the hard routing inference runs is
     the one the model was trained with (the paper trains soft only; results/tsa.md, issue 12).
-  * freeze_routers (`--preset paper` sets it, with hard_ft_iters=750 of the paper's 5000): the routers are
-    frozen during the straight-through phase — no gradient, so AdamW does not move them — and only the
-    backbone adapts to their hard decisions. Trained routers re-open in that phase at the paper's scale
-    (halting almost nothing); frozen ones keep the soft model's skip share (results/tsa.md, CPU proxy).
+  * hard_ft_routers (what the routers do in that phase): "train" (the default recipe), "frozen" (no
+    gradient, so AdamW does not move them: only the backbone adapts to their hard decisions) or
+    "calibrate" (`--preset paper`, with hard_ft_iters=750 of its 5000): at the phase's first step each
+    router's b2 is shifted once so that p > 0.5 for the share of tokens its soft gate claims, mean(p_l)
+    (eq. 6's term; a soft-trained router at the paper's budget scales tokens by 1 − p but hardly halts
+    any), then frozen. Trained routers re-open in the phase and skip almost nothing (issue 12); calibrated,
+    frozen ones execute the savings the soft model reports (results/tsa.md, CPU proxy).
   * hard_variant="scaled": an active token keeps its soft scale 1 − p at inference (paper: "01", the full
     update); better than "01" in every run of results/tsa.md.
   * skip_queries=True: the sparse path also skips halted tokens' query / attention / out-projection work
@@ -64,7 +67,7 @@ class Config(common.Config):
     skip_queries: bool = True       # sparse path: halted tokens also skip Q / attention / out-proj
     eval_soft: bool = True          # eval also runs the soft pass (soft_loss next to the hard loss)
     hard_ft_iters: int = 250        # the last iterations train with straight-through hard gates (all if > max_iters)
-    freeze_routers: bool = False    # ... with the routers frozen there (no gradient, no update): only the backbone adapts
+    hard_ft_routers: str = "train"  # ... in which the routers "train", stay "frozen", or "calibrate" (docstring)
     variant: str = "tsa"            # "tsa" | "early_exit" (the §3.5 baseline)
     threshold: float = 1.0          # early exit: exit when max softmax prob > threshold (1.0: never)
     model: str = "tsa"
@@ -83,6 +86,8 @@ class Config(common.Config):
             raise NanorouteError(f"router_bias must be finite, got {self.router_bias}")
         if not 0.0 <= self.threshold <= 1.0:
             raise NanorouteError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.hard_ft_routers not in ("train", "frozen", "calibrate"):
+            raise NanorouteError(f"hard_ft_routers must be 'train', 'frozen' or 'calibrate', got {self.hard_ft_routers!r}")
         if self.hard_ft_iters < 0:
             raise NanorouteError(f"hard_ft_iters must be >= 0, got {self.hard_ft_iters}")
 
@@ -90,10 +95,13 @@ class Config(common.Config):
 PRESETS = {
     # The paper's Shakespeare setup (§3.2): d=256, L=6, H=8, d_ff=1024, ctx 128, batch 64, 5000 steps, AdamW
     # β=(0.9, 0.95), wd 0.1, cosine; its sparse-TSA (§3.6: "01" gates, dense attention), soft training only.
-    # lr, min_lr, dropout and warm-up: the authors' code (see the docstring).
+    # lr, min_lr, dropout and warm-up: the authors' code (see the docstring). Deviation (ours, issue 12): the
+    # last 750 iterations straight-through with calibrated, frozen routers, so that sparse inference skips
+    # what the soft model claims at the soft model's quality; --hard_ft_iters=0 is the paper's recipe.
     "paper": dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
                   learning_rate=3e-4, min_lr=3e-5, warmup_iters=0, beta2=0.95, weight_decay=0.1, dropout=0.1,
-                  eval_interval=250, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=0),
+                  eval_interval=250, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=750,
+                  hard_ft_routers="calibrate"),
     # ≤ 3 minutes on a 2-core CPU; the last 300 iterations straight-through so the hard routing a student
     # sees (routing_map) is the one the model was trained for.
     "classroom": dict(common.CLASSROOM, hard_ft_iters=300),
@@ -137,7 +145,12 @@ class Model(common.LM):
             self.routers = nn.ModuleList([Router(cfg.n_embd) for _ in range(L - 1)])  # r_0..r_{L-2}
         else:  # early exit: exit heads after blocks 0..L-2 (the last exit is the model's own ln_f + head)
             self.exit_ln = nn.ModuleList([nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(L - 1)])
+        if cfg.hard_ft_routers != "train" and cfg.hard_ft_iters and torch.distributed.is_available() \
+                and torch.distributed.is_initialized():  # DDP needs a gradient for every parameter
+            raise NanorouteError(f"hard_ft_routers={cfg.hard_ft_routers} (routers without gradients) is not supported "
+                                 "under DDP; run on one process or pass --hard_ft_routers=train")
         self.hard_train = False  # set by on_step during the last hard_ft_iters iterations
+        self.calibrate_now = False  # set by on_step for the first of them (hard_ft_routers="calibrate")
         self.threshold = cfg.threshold
         self.init_weights()
         for r in getattr(self, "routers", []):
@@ -145,7 +158,9 @@ class Model(common.LM):
 
     def on_step(self, it):
         """train.py calls this before every step: switch to straight-through hard gates at the end."""
-        self.hard_train = self.cfg.hard_ft_iters > 0 and it >= self.cfg.max_iters - self.cfg.hard_ft_iters
+        start = self.cfg.max_iters - self.cfg.hard_ft_iters
+        self.hard_train = self.cfg.hard_ft_iters > 0 and it >= start
+        self.calibrate_now = self.hard_train and self.cfg.hard_ft_routers == "calibrate" and it == max(start, 0)
 
     # ------------------------------------------------------------------------------------------------
     # gates: soft (training, eqs. 3–4) and hard (inference, §3.6)
@@ -167,12 +182,18 @@ class Model(common.LM):
         ps = []
         for router, block in zip(self.routers, self.blocks[1:]):
             p = router(x)  # (B, T, 1) p_l from the state after block l
-            if mode == "hard_st" and self.cfg.freeze_routers:
+            if mode == "hard_st" and self.cfg.hard_ft_routers != "train":
+                if self.calibrate_now:  # once: shift b2 so that p > 0.5 for the share of tokens the soft gate
+                    with torch.no_grad():  # claims, mean(p_l) (eq. 6's term), on this batch; no host sync
+                        z = torch.logit(p, eps=1e-6).flatten()        # (B·T,) router logits + b2
+                        router.fc2.bias -= z.quantile(1.0 - p.mean()).to(router.fc2.bias.dtype)
+                    p = router(x)
                 p = p.detach()  # frozen: no gradient reaches the router, so AdamW skips it (no decay either)
             g = self.gate(p, mode)
             x = x + g * block.attn_delta(x).to(x.dtype)  # eq. (3)
             x = x + g * block.ffn_delta(x).to(x.dtype)   # eq. (4)
             ps.append(p)
+        self.calibrate_now = self.calibrate_now and mode != "hard_st"  # done
         return x, ps
 
     def sparse_trunk(self, x, caches=None):

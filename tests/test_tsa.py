@@ -389,10 +389,10 @@ def test_on_step_hard_phase():
 
 
 def test_frozen_routers_get_no_update():
-    """freeze_routers: in the straight-through phase the routers receive no gradient, so AdamW leaves them
+    """hard_ft_routers="frozen": in the straight-through phase the routers receive no gradient, so AdamW leaves them
     exactly as they were (no momentum step, no weight decay) while the backbone trains on their hard
     decisions; before the phase they train as usual."""
-    m = make(mixed=True, dtype=torch.float32, max_iters=6, hard_ft_iters=3, freeze_routers=True, lam=0.1).train()
+    m = make(mixed=True, dtype=torch.float32, max_iters=6, hard_ft_iters=3, hard_ft_routers="frozen", lam=0.1).train()
     opt = common.make_optimizer(m, m.cfg, torch.device("cpu"))
     x = ids()
     snap = lambda mod: [p.detach().clone() for p in mod.parameters()]  # noqa: E731
@@ -408,10 +408,34 @@ def test_frozen_routers_get_no_update():
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(routers, snap(m.routers)))
     assert not any(torch.equal(a, b) for a, b in zip(backbone, snap(m.blocks)) if a.dim() == 2)
-    m.cfg.freeze_routers = False  # the unfrozen phase (the default recipe) still trains them
+    m.cfg.hard_ft_routers = "train"  # the unfrozen phase (the default recipe) still trains them
     _, loss, _ = m(x, x)
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.routers.parameters())
+
+
+def test_calibrated_routers_halt_what_the_soft_gate_claims():
+    """hard_ft_routers="calibrate": at the first straight-through step, each router's b2 moves so that p > 0.5
+    for the share of tokens equal to its soft mean p on that batch (computed layer by layer on the same
+    inputs); afterwards the routers are frozen, and later steps (or a resumed run) do not move them again."""
+    m = make(dtype=torch.float32, max_iters=6, hard_ft_iters=3, hard_ft_routers="calibrate").train()
+    x = ids(B=4)
+    b_old = [r.fc2.bias.detach().clone() for r in m.routers]
+    m.on_step(2)
+    assert not m.calibrate_now
+    m.on_step(3)
+    with torch.no_grad():
+        m(x, x)
+        b_new = [r.fc2.bias.detach().clone() for r in m.routers]
+        ps = m.trunk(m.embed(x), "hard_st")[1]  # the same inputs per router as the calibrating pass
+    for p, a, b in zip(ps, b_old, b_new):
+        claimed = torch.sigmoid(torch.logit(p, eps=1e-6) - (b - a)).mean()  # soft mean p before the shift
+        assert 0.15 < claimed < 0.45 and abs((p > 0.5).float().mean() - claimed) <= 1.5 / p.numel()
+    for it in (4, 5):
+        m.on_step(it)
+        with torch.no_grad():
+            m(x, x)
+        assert all(torch.equal(r.fc2.bias, b) for r, b in zip(m.routers, b_new))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -526,14 +550,16 @@ def test_routing_map(variant):
 
 def test_presets():
     assert tsa.PRESETS["classroom"].items() >= common.CLASSROOM.items()
-    paper = tsa.Config(**tsa.PRESETS["paper"])  # the paper's sparse-TSA, soft training, the authors' dropout
-    assert (paper.hard_variant, paper.skip_queries, paper.hard_ft_iters) == ("01", False, 0) and paper.dropout > 0
+    paper = tsa.Config(**tsa.PRESETS["paper"])  # the paper's sparse-TSA and dropout; our calibrated last 15%
+    assert (paper.hard_variant, paper.skip_queries, paper.dropout) == ("01", False, 0.1)
+    assert (paper.hard_ft_iters, paper.hard_ft_routers) == (750, "calibrate")
     assert (paper.n_layer, paper.n_embd, paper.n_head, paper.batch_size, paper.max_iters) == (6, 256, 8, 64, 5000)
 
 
 def test_bad_config_is_one_line_error():
     for bad in (dict(hard_variant="x"), dict(variant="moe"), dict(lam=-1.0), dict(lam=float("nan")),
-                dict(n_layer=1), dict(threshold=2.0), dict(hard_ft_iters=-1), dict(router_bias=float("inf"))):
+                dict(n_layer=1), dict(threshold=2.0), dict(hard_ft_iters=-1), dict(router_bias=float("inf")),
+                dict(hard_ft_routers="freeze")):
         with pytest.raises(common.NanorouteError):
             tiny(**bad)
     m = make().eval()
