@@ -283,12 +283,15 @@ def main(argv=None):
                 os.replace(path + ".tmp", path)
                 print(f"{name} seed {seed}: val {rec['val_loss']:.4f}, FLOPs ratio {rec['flops_ratio']:.3f}", flush=True)
     records = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(rec_dir, "*.json")))]
+    done = {(r["run"], r["seed"]) for r in records}
+    missing = [f"{n} seed {sd}" for sd in SEEDS for n in RUNS if (n, sd) not in done]
     md = os.path.join(args.results, "compare.md")
     png = plot(records, os.path.join(args.results, "compare.png"))
     with open(md + ".tmp", "w") as f:
         f.write("# All four routers vs dense GPTs of matched cost\n\n"
                 f"Built by `python experiments/compare.py` from {len(records)} JSON records in results/compare/. "
-                f"Preset: {json.dumps(BASE)}; seeds {list(SEEDS)}; values are mean ± sd over seeds.\n\n")
+                f"Preset: {json.dumps(BASE)}; seeds {sorted({r['seed'] for r in records})}; values are mean ± sd "
+                f"over seeds (± 0.000: one seed). Not run: {', '.join(missing) or 'none'}.\n\n")
         f.write(table(records))
         if png:
             f.write("\n![val loss vs inference FLOPs](compare.png)\n")
