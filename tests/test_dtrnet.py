@@ -216,12 +216,16 @@ def test_router_gets_gradient_through_probability_scaling():
 # ---------------------------------------------------------------------------------------------------
 # packed (training / sparse) path == masked reference, exactly in float64
 
-def test_sparse_equals_eval_varied_counts():
+def tddt_with_fixed_routing(B=5, T=48):
+    """A T D D T model whose D layers route by mixed_table(B, T), an eval-mode model and its input."""
     m = make(layers="TDDT").eval()
-    B, T = 5, 48
     table = mixed_table(B, T)
     fix_routers(m, table)
-    x = torch.randint(0, 50, (B, T))
+    return m, table, torch.randint(0, 50, (B, T))
+
+
+def test_sparse_equals_eval_varied_counts():
+    m, table, x = tddt_with_fixed_routing()
     ref, _, st = m(x)
     out, _, st2 = m(x, sparse=True)
     assert torch.isfinite(ref).all() and torch.allclose(out, ref, atol=1e-10, rtol=0)
@@ -525,11 +529,8 @@ def test_dev_training_step(dev):
 # eval stats, routing map, accounting
 
 def test_eval_stats_contract():
-    m = make(layers="TDDT").eval()
-    B, T = 5, 48
-    table = mixed_table(B, T)
-    fix_routers(m, table)
-    x = torch.randint(0, 50, (B, T))
+    m, table, x = tddt_with_fixed_routing()
+    T = x.shape[1]
     _, loss, st = m(x, x)
     rho = table.double().mean()
     for i in m.d_layers:
