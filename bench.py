@@ -66,7 +66,9 @@ def forward(model, x, **kw):
 
 def decode_rows(suite, model, device, args, extra=None):
     """Cached generation tokens/s of `model` (eval, its own routing) and of a dense GPT of the same size, at
-    batch 1 and 8, interleaved; greedy from a 16-token prompt. A row per batch size."""
+    batch 1 and 8, interleaved; greedy from a 16-token prompt. A row per batch size, with `flops_ideal`: the
+    dense GPT's FLOPs per token over the model's, with the routing its eval forward takes on the generated text
+    (the speed_ratio routed decoding would reach if time followed FLOPs)."""
     cfg = model.cfg
     arch = {k: getattr(cfg, k) for k in common.ARCH_FIELDS}
     torch.manual_seed(0)
@@ -82,9 +84,15 @@ def decode_rows(suite, model, device, args, extra=None):
                     m.generate(prompt, n_new, temperature=0)
             return run
         t = timeit({"routed": gen(model), "dense": gen(dense)}, device, max(1, min(args.repeats, 5)), warmup=1)
-        rows.append({"suite": suite, "what": "decode", "B": B, "new_tokens": n_new, **(extra or {}),
-                     "tokens_per_s": B * n_new / t["routed"], "dense_tokens_per_s": B * n_new / t["dense"],
-                     "speed_ratio": t["dense"] / t["routed"]})
+        row = {"suite": suite, "what": "decode", "B": B, "new_tokens": n_new, **(extra or {}),
+               "tokens_per_s": B * n_new / t["routed"], "dense_tokens_per_s": B * n_new / t["dense"],
+               "speed_ratio": t["dense"] / t["routed"]}
+        if "flops_ideal" not in row:  # the FLOPs the routing saved on the generated text, from the eval forward
+            with torch.no_grad(), common.autocast(device, DTYPE):
+                seq = model.generate(prompt, n_new, temperature=0)
+                saved = model(seq[:, :-1], seq[:, 1:])[2].get("flops_saved_hard", 0.0)
+            row["flops_ideal"] = 1.0 / (1.0 - float(saved))  # dense GPT FLOPs / routed FLOPs per token
+        rows.append(row)
     return rows
 
 

@@ -355,6 +355,7 @@ def test_bench_gpt_quick_smoke(tmp_path):
     assert all(r["speed_ratio_ours_vs_plain"] > 0 for r in rows if r["what"] != "decode")
     assert [r["B"] for r in rows if r["what"] == "decode"] == [1, 8]
     assert all(r["tokens_per_s"] > 0 and r["dense_tokens_per_s"] > 0 for r in rows if r["what"] == "decode")
+    assert all(r["flops_ideal"] == 1.0 for r in rows if r["what"] == "decode")  # the same model twice
     assert json.load(open(tmp_path / "b.json"))["rows"][0]["suite"] == "gpt"
 
 
@@ -365,6 +366,10 @@ def test_bench_paper_suites_quick_smoke(suite):
     rows = bench.main([suite, "--quick", "--repeats=1"])
     assert rows and all(r["suite"] == suite for r in rows)
     assert all(v > 0 for r in rows for k, v in r.items() if k.endswith("_ms"))
+    decode = [r for r in rows if r["what"] == "decode"]
+    assert decode and all(r["tokens_per_s"] > 0 and r["dense_tokens_per_s"] > 0 for r in decode)
+    if suite != "hybrid":  # routers that skip work: fewer FLOPs per generated token than the dense GPT
+        assert all(r["flops_ideal"] > 1.0 for r in decode), decode
 
 
 # ---------------------------------------------------------------------------------------------------
