@@ -386,6 +386,21 @@ def test_prefill_step_equal_full_forward_and_cache_holds_routed_tokens_only():
     assert held < dense == 4 * 2 * B * 64 * 32 * 8
 
 
+@pytest.mark.parametrize("variant", ["dtrnet", "no_vo"])
+def test_batch_one_decode_equals_full_forward_on_both_paths(variant):
+    """At B=1 every step takes one branch: routed (attention) or the bypass alone (eq. 5, no selects)."""
+    m = make(layers="TDDT", variant=variant).eval()
+    x = torch.randint(0, 50, (1, 40))
+    full, _, stats = m(x)
+    logits, state = m.prefill(x[:, :8])
+    steps = [logits]
+    for t in range(8, 40):
+        logits, state = m.step(x[:, t:t + 1], state)
+        steps.append(logits)
+    assert 0.1 < stats["frac_attn"] < 0.9  # both branches ran
+    assert torch.allclose(torch.stack(steps, 1), full[:, 7:], atol=1e-10, rtol=0)
+
+
 def test_decode_bypassed_tokens_skip_attention_and_cache_nothing():
     m = make(layers="TDDT").eval()
     routers = fix_routers(m, torch.zeros(2, 64, dtype=torch.bool))
