@@ -7,8 +7,10 @@ and reported as a ratio; FLOPs-ideal speedups come from common.py's accounting.
   python bench.py all --quick              # every suite at small sizes (a smoke run)
   python bench.py all --device cuda --dtype bf16
 
-Every suite ends with `what=decode` rows: cached generation at batch 1 and 8, `tokens_per_s` of the routed
-model next to `dense_tokens_per_s` of the dense GPT of the same size (also cached), timed interleaved.
+Sweeps over batch or length end with a `what=crossover` row: the smallest B·T from which on the sparse path
+beats dense at every measured size. Every suite ends with `what=decode` rows: cached generation at batch 1
+and 8, `tokens_per_s` of the routed model next to `dense_tokens_per_s` of the dense GPT of the same size
+(also cached), timed interleaved, and `flops_ideal`, the ratio time would show if it followed FLOPs.
 
 Timing: warm-up calls, then the median of --repeats calls, each bracketed by common.sync(device).
 """
@@ -101,6 +103,15 @@ def batch(cfg, B, T, device, seed=0):
     x = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     return x.to(device), y.to(device)
+
+
+def crossover(sweep, speed, **group):
+    """Rows of one sweep (B and T vary, all else fixed) -> a row naming the smallest B·T from which on the
+    sparse path beats dense at every measured size (where a small model's sparse path starts to pay)."""
+    rs = sorted(sweep, key=lambda r: r["B"] * r["T"])
+    first = next((r["B"] * r["T"] for i, r in enumerate(rs) if all(q[speed] > 1.0 for q in rs[i:])), "none_measured")
+    return {"suite": rs[0]["suite"], "what": "crossover", **group, "B_T": "/".join(f"{r['B']}x{r['T']}" for r in rs),
+            "speedups": "/".join(f"{r[speed]:.3f}" for r in rs), "sparse_faster_from_BT": first}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -213,6 +224,9 @@ def bench_hybrid(args, device):
             rows.append({"suite": "hybrid", "what": "sparse_vs_dense_hard", "B": B, "T": T, "softmax_frac": frac,
                          "sparse_ms": 1e3 * t["sparse"], "dense_ms": 1e3 * t["dense"],
                          "speedup": t["dense"] / t["sparse"], "flops_ideal": ideal})
+    for frac in (0.1, 0.5):
+        rows.append(crossover([r for r in rows if r["what"] == "sparse_vs_dense_hard" and r["softmax_frac"] == frac],
+                              "speedup", softmax_frac=frac))
     if args.ckpt:  # a trained router's own decisions
         ck = common.load_checkpoint(args.ckpt)
         m = HA.Model(HA.Config(**ck["config"])).to(device).eval()
@@ -285,6 +299,8 @@ def bench_dtrnet(args, device):
     for T in Ts:
         for rho in (0.1, 0.3, 0.5):
             row("forward_forced", T, rho, forced(rho), dense)
+    for rho in (0.1, 0.3, 0.5):
+        rows.append(crossover([r for r in rows if r["rho_set"] == rho], "speedup_measured", rho_set=rho))
     if args.ckpt:  # the trained router, at the checkpoint's own context length
         ck = common.load_checkpoint(args.ckpt)
         ccfg = dtrnet.Config(**{k: v for k, v in ck["config"].items() if k in dtrnet.Config.__dataclass_fields__})
@@ -395,6 +411,9 @@ def bench_tsa(args, device):
     for Bs in batches:  # batch-size scaling at the paper's Shakespeare α
         force(0.73, Bs)
         measure("infer_batch_scaling", 0.73, Bs, ["dense", "sparse_ffn", "sparse_query"], batch(cfg, Bs, T, device)[0])
+    for mode in ("sparse_ffn", "sparse_query"):
+        rows.append(crossover([r for r in rows if r["what"] == "infer_batch_scaling" and r["mode"] == mode],
+                              "speedup_vs_dense", mode=mode))
     for r, orig in zip(model.routers, originals):
         r.forward = orig
     # decode: the real routers, each output bias shifted so that a share α = 0.73 of a batch's tokens is
@@ -451,15 +470,21 @@ def bench_conddepth(args, device):
         rows.append({"suite": "conddepth", "what": "controlled_ffn_sublayer", "rho": rho, "B": B, "T": T,
                      "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"], "speedup": t["dense"] / t["sparse"],
                      "ideal_speedup": (ffn + chp) / (rho * ffn + (1 - rho) * chp)})
-        t = timeit({"dense": forward(model, x), "sparse": forward(model, x, sparse=True)}, device, args.repeats)
         C, L = cfg.n_controlled, cfg.n_layer
         attn = common.flops_qkv(d) + common.flops_attn_out(d) + common.flops_attn_scores(d, common.mean_context(T))
         ctrl = cd.controller_flops(cfg, train=False)
         base = L * attn + (L - C) * ffn + common.flops_lm_head(d, cfg.vocab_size) + C * ctrl
         ideal = (base + C * (ffn + chp)) / (base + C * (rho * ffn + (1 - rho) * chp))
-        rows.append({"suite": "conddepth", "what": "model_forward", "rho": rho, "B": B, "T": T,
-                     "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"], "speedup": t["dense"] / t["sparse"],
-                     "ideal_speedup": ideal, "infer_vs_full": cd.infer_vs_full(cfg)})
+        sweep = []
+        for Bf in ((1, 4) if args.quick else (1, 8, 64)):  # the whole model, dense-hard vs sparse
+            x, _ = batch(cfg, Bf, T, device)
+            t = timeit({"dense": forward(model, x), "sparse": forward(model, x, sparse=True)}, device, args.repeats)
+            sweep.append({"suite": "conddepth", "what": "model_forward", "rho": rho, "B": Bf, "T": T,
+                          "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"],
+                          "speedup": t["dense"] / t["sparse"], "ideal_speedup": ideal,
+                          "frac_of_ideal_gain": (t["dense"] / t["sparse"] - 1) / (ideal - 1),
+                          "infer_vs_full": cd.infer_vs_full(cfg)})
+        rows += sweep + [crossover(sweep, "speedup", rho=rho)]
         rows += decode_rows("conddepth", model, device, args, {"rho": rho})
     return rows
 

@@ -359,6 +359,16 @@ def test_bench_gpt_quick_smoke(tmp_path):
     assert json.load(open(tmp_path / "b.json"))["rows"][0]["suite"] == "gpt"
 
 
+def test_bench_crossover_is_where_sparse_wins_from_then_on():
+    import bench
+    sweep = lambda speeds: [{"suite": "s", "B": B, "T": 8, "x": v} for B, v in zip((4, 1, 2, 8), speeds)]
+    assert bench.crossover(sweep([1.2, 0.9, 1.1, 1.3]), "x")["sparse_faster_from_BT"] == 16  # B=1 loses, then wins
+    assert bench.crossover(sweep([0.9, 1.1, 1.2, 1.3]), "x")["sparse_faster_from_BT"] == 64  # B=4 loses again
+    assert bench.crossover(sweep([1.2, 1.1, 1.1, 0.99]), "x")["sparse_faster_from_BT"] == "none_measured"
+    row = bench.crossover(sweep([1.2, 0.9, 1.1, 1.3]), "x", mode="m")
+    assert row["B_T"] == "1x8/2x8/4x8/8x8" and row["speedups"] == "0.900/1.100/1.200/1.300" and row["mode"] == "m"
+
+
 @pytest.mark.parametrize("suite", ["tsa", "dtrnet", "conddepth", "hybrid"])
 def test_bench_paper_suites_quick_smoke(suite):
     """Every paper's benchmark runs and reports positive timings (numbers themselves go in results/)."""
@@ -368,6 +378,7 @@ def test_bench_paper_suites_quick_smoke(suite):
     assert all(v > 0 for r in rows for k, v in r.items() if k.endswith("_ms"))
     decode = [r for r in rows if r["what"] == "decode"]
     assert decode and all(r["tokens_per_s"] > 0 and r["dense_tokens_per_s"] > 0 for r in decode)
+    assert any(r["what"] == "crossover" for r in rows)
     if suite != "hybrid":  # routers that skip work: fewer FLOPs per generated token than the dense GPT
         assert all(r["flops_ideal"] > 1.0 for r in decode), decode
 
