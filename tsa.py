@@ -17,8 +17,10 @@ and gives the same logits. A halted token skips the FFN and — beyond the paper
 output projection; it still computes its K/V, because active tokens attend to every earlier token in every
 layer, exactly as in the dense eval forward. Cached decoding (prefill/step, used by common's generate)
 keeps these semantics: the cache of every layer holds the K/V of every token (halted ones included, from
-their state at that layer), and a halted token skips q / attention / c_proj / FFN at that layer, so decode
-saves (1 − α)·(q + attention + out-proj + FFN) per routed layer.
+their state at that layer); a layer where every row of the batch halts (at B=1: where the token halts)
+runs only K/V, skipping q / attention / c_proj / FFN, so B=1 decode saves (1 − α)·(q + attention +
+out-proj + FFN) per routed layer. In a mixed batch every row runs the layer and halted rows are gated by 0
+(a GEMM over a few rows costs what reading its weights costs: gathering the active rows does not pay).
 
 Deviations from the paper (Config fields; `--preset paper` sets the paper's values except hard_ft_*):
   * hard_ft_iters=250: the last 250 iterations (of the default 2250) train with straight-through hard
@@ -50,6 +52,7 @@ provides K/V from the frozen state). It has no KV cache: its decode state is the
 import os
 import sys
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn as nn
@@ -108,7 +111,7 @@ PRESETS = {
 }
 
 
-QUERY_CHUNKS = 2  # sparse attention: packed queries in this many position ranges (fewer masked scores)
+QUERY_CHUNKS = 2  # sparse attention: active queries in this many position ranges (fewer masked scores)
 
 
 class Router(nn.Module):
@@ -122,6 +125,11 @@ class Router(nn.Module):
     def forward(self, h):
         z = self.fc2(F.relu(self.fc1(h)))  # (B, T, 1) router logit (bf16 under autocast)
         return torch.sigmoid(z.to(torch.promote_types(z.dtype, torch.float32)))  # p_l in fp32 (or fp64)
+
+
+def gated(x, g, delta):
+    """Eqs. (3)–(4) for the active tokens: x + g ⊙ delta, delta cast to x's dtype; g None: the "01" gate, 1."""
+    return x + delta.to(x.dtype) if g is None else torch.addcmul(x, g, delta.to(x.dtype))
 
 
 def q_proj(attn, h):
@@ -197,73 +205,69 @@ class Model(common.LM):
         return x, ps
 
     def sparse_trunk(self, x, caches=None):
-        """Same numbers as trunk(x, 'hard'), but halted tokens skip work (batched gather/scatter over the
-        whole batch). One host sync per routed block: the sizes of the packed work. With caches (a list),
-        every layer's K/V of every token is appended to it (prefill)."""
+        """Same numbers as trunk(x, 'hard'), but halted tokens skip work. Per routed block: one host sync (the
+        active tokens per row and query range), one gather of the active tokens' state x_a, the attention
+        delta and the FFN on x_a only, one scatter back: a halted token's state does not change inside the
+        block, and K/V come from ln_1(x) of every token before the block, as in the dense forward. With
+        caches (a list), every layer's K/V of every token is stored in it (prefill)."""
         B, T, C = x.shape
-        x = self.dense_block(self.blocks[0], x, caches)  # stem f0
-        ends = sorted({max(1, T * (j + 1) // QUERY_CHUNKS) for j in range(QUERY_CHUNKS)})  # query chunks by position
+        if caches is None:
+            x = self.blocks[0](x)  # stem f0
+        else:  # ... also storing its K/V (prefill)
+            x, cache = self.blocks[0].prefill(x, self.cfg.block_size)
+            caches.append(cache)
+        ends = sorted({max(1, T * (j + 1) // QUERY_CHUNKS) for j in range(QUERY_CHUNKS)})  # query ranges by position
+        causal = torch.full((T, T), float("-inf"), dtype=x.dtype, device=x.device).triu(1)  # (T, T) additive mask
+        masks = [causal[:, :hi].contiguous() for hi in ends]  # (T, hi): the keys a query range can see
+        last = torch.tensor([e - 1 for e in ends], device=x.device)
         ps = []
         for router, block in zip(self.routers, self.blocks[1:]):
-            p = router(x)                                     # (B, T, 1)
-            g = self.gate(p, "hard")                          # (B, T, 1), 0 for halted tokens
-            active = (p <= 0.5).view(B, T)                    # (B, T)
-            cs = active.cumsum(1)                             # (B, T) active tokens up to each position
-            n = cs[:, [e - 1 for e in ends]].diff(dim=1, prepend=cs.new_zeros(B, 1))  # (B, Q) per row and chunk
-            sizes = torch.cat([n.sum(0), n.amax(0)]).tolist()  # host sync: tokens per chunk, widest row per chunk
-            N = sum(sizes[:len(ends)])
-            idx = torch.nonzero_static(active.flatten(), size=N).squeeze(1)  # (N,) active tokens, row-major
-            gi = g.view(B * T, 1).index_select(0, idx)         # (N, 1) their gates
+            p = router(x)                                          # (B, T, 1)
+            active = (p <= 0.5).view(B, T)                         # (B, T) p > 0.5 halts
+            cum = active.cumsum(1).index_select(1, last).tolist()  # host sync: (B, Q) active tokens up to each range end
+            n = [[c - ([0] + row)[j] for j, c in enumerate(row)] for row in cum]  # (B, Q) ... in each range
+            idx = torch.nonzero_static(active.view(-1), size=sum(r[-1] for r in cum)).squeeze(1)  # (N,) row-major
+            ga = None if self.cfg.hard_variant == "01" else 1.0 - p.view(B * T, 1).index_select(0, idx)  # (N, 1) gates
+            xa = x.view(B * T, C).index_select(0, idx)            # (N, C) the active tokens' state
             if self.cfg.skip_queries or caches is not None:
-                x = self.sparse_attention(block, x, cs, idx, gi, ends, sizes, caches)
+                h = block.ln_1(x)                                  # (B, T, C)
+                xa = gated(xa, ga, self.sparse_attention(block.attn, h, idx, n, masks, caches))
             else:  # the paper's sparse-TSA: dense attention, residual gated by the same binary mask
-                x = x + g * block.attn_delta(x).to(x.dtype)
-            if N:
-                xf = x.view(B * T, C)
-                delta = block.ffn_delta(xf.index_select(0, idx))  # (N, C) FFN on active tokens only
-                x = xf.index_add(0, idx, delta.to(x.dtype) * gi).view(B, T, C)
+                xa = gated(xa, ga, block.attn_delta(x).view(B * T, C).index_select(0, idx))
+            xa = gated(xa, ga, block.ffn_delta(xa))                # (N, C) FFN on active tokens only
+            x = x.view(B * T, C).index_copy(0, idx, xa).view(B, T, C)
             ps.append(p)
         return x, ps
 
-    def dense_block(self, block, x, caches):
-        """The stem: the plain block; with caches, also its K/V appended (prefill)."""
-        if caches is None:
-            return block(x)
-        q, k, v = block.attn.qkv(block.ln_1(x))  # 3 × (B, nh, T, hs)
-        caches.append(common.KVCache(x.size(0), self.cfg.block_size, k, v))
-        x = x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype)
-        return x + block.ffn_delta(x).to(x.dtype)
-
-    def sparse_attention(self, block, x, cs, idx, gi, ends, sizes, caches=None):
-        """K/V for every token (active queries attend to halted tokens too); Q and c_proj only for the N
-        active tokens, flattened over the batch. For attention they are packed to the front of each row under
-        an explicit causal mask by position, in QUERY_CHUNKS position ranges so that the queries of [lo, hi)
-        see only keys [0, hi) (most of the masked half of the scores is skipped). Integer indices only: no
-        boolean-mask indexing, no host sync here."""
-        B, T, C = x.shape
-        attn, Q = block.attn, len(ends)
-        h = block.ln_1(x)                                                     # (B, T, C)
-        k, v = (attn.split_heads(t) for t in kv_proj(attn, h))                # 2 × (B, nh, T, hs)
+    def sparse_attention(self, attn, h, idx, n, masks, caches=None):
+        """h = ln_1(x) (B, T, C) -> c_proj(attention) of the N active tokens idx, (N, C). K/V for every token
+        (active queries attend to halted ones too); Q, attention and c_proj for the active ones only. Queries
+        of position range j = [hi_{j-1}, hi_j) see keys [0, hi_j) only, packed into a (B, W_j) grid (W_j: the
+        busiest row of n, (B, Q) active tokens per row and range) under the causal mask's rows (masks[j]) by
+        position; at B=1 the packing is the identity (slices). No boolean-mask indexing, no host sync."""
+        B, T, C = h.shape
+        k, v = (attn.split_heads(t) for t in kv_proj(attn, h))   # 2 × (B, nh, T, hs)
         if caches is not None:
             caches.append(common.KVCache(B, self.cfg.block_size, k, v))
-        if idx.numel() == 0:
-            return x
-        q = q_proj(attn, h.view(B * T, C).index_select(0, idx))              # (N, C) active queries only
-        t, row = idx % T, idx // T                                            # (N,) position and row
-        y, lo = torch.empty_like(q), 0
-        for hi, Nj, Wj in zip(ends, sizes[:Q], sizes[Q:]):
-            if Nj:  # the Nj active queries at positions [lo, hi), packed into (B, Wj), attend to keys [0, hi)
-                sel = torch.nonzero_static((t >= lo) & (t < hi), size=Nj).squeeze(1)  # (Nj,) which of the N
-                r, tj = row[sel], t[sel]
-                slot = r * Wj + cs[r, tj] - 1 - (cs[r, lo - 1] if lo else 0)  # (Nj,) place in the packed rows
-                qp = q.new_zeros(B * Wj, C).index_copy_(0, slot, q[sel]).view(B, Wj, C)
-                pos = t.new_zeros(B * Wj).index_copy_(0, slot, tj).view(B, Wj)  # padding slots: position 0
-                mask = torch.arange(hi, device=x.device) <= pos[:, :, None]     # (B, Wj, hi) causal by position
-                yj = attn.attend(attn.split_heads(qp), k[:, :, :hi], v[:, :, :hi], mask[:, None])  # (B, Wj, C)
-                y[sel] = yj.reshape(B * Wj, C)[slot]
-            lo = hi
-        delta = attn.c_proj(y)                                                # (N, C)
-        return x.view(B * T, C).index_add(0, idx, delta.to(x.dtype) * gi).view(B, T, C)
+        q, t = q_proj(attn, h.view(B * T, C).index_select(0, idx)), idx % T  # (N, C) queries, (N,) positions
+        Q, W = len(masks), [max(col) for col in zip(*n)]         # per range: the busiest row
+        base = list(accumulate((B * w for w in W), initial=0))    # grid: range-major, then row, then rank
+        start = list(accumulate(sum(n, []), initial=0))           # queries before (row b, range j) in idx
+        shift = [base[j] + b * W[j] - start[b * Q + j] for b in range(B) for j in range(Q)]  # slot − index
+        if any(shift):
+            slot = torch.arange(len(idx), device=h.device) + torch.tensor(shift, device=h.device).repeat_interleave(
+                torch.tensor(sum(n, []), device=h.device), output_size=len(idx))  # (N,)
+            q = q.new_zeros(base[-1], C).index_copy_(0, slot, q)  # (S, C) padding slots: zeros
+            t = t.new_zeros(base[-1]).index_copy_(0, slot, t)     # (S,) ... at position 0
+        y = []
+        for j, mask in enumerate(masks):
+            if W[j]:
+                qj, tj = q[base[j]:base[j + 1]].view(B, W[j], C), t[base[j]:base[j + 1]]  # (B, W_j, C), (B·W_j,)
+                mask = mask.index_select(0, tj).view(B, 1, W[j], -1)  # (B, 1, W_j, hi_j) by position
+                hi = mask.size(-1)
+                y.append(attn.attend(attn.split_heads(qj), k[:, :, :hi], v[:, :, :hi], mask).view(B * W[j], C))
+        y = torch.cat(y or [q])                                   # (S, C)
+        return attn.c_proj(y.index_select(0, slot) if any(shift) else y)  # (N, C)
 
     # ------------------------------------------------------------------------------------------------
 
@@ -327,33 +331,25 @@ class Model(common.LM):
             return self(idx)[0][:, -1], idx
         caches, pos = state
         x = self.wte(tok) + self.wpe.weight[pos]  # (B, 1, C)
-        x = self.decode_block(self.blocks[0], caches[0], x, pos, None)
+        x = self.blocks[0].step(x, caches[0], pos)  # the stem: common.Block's cached step
         for router, block, cache in zip(self.routers, self.blocks[1:], caches[1:]):
             x = self.decode_block(block, cache, x, pos, router(x))
         return self.head(x)[0][:, -1], (caches, pos + 1)
 
     def decode_block(self, block, cache, x, pos, p):
-        """x (B, 1, C); p (B, 1, 1) halting probabilities, or None for the stem. Every row writes its K/V; only
-        the active rows run c_proj and the FFN. q and attention run for every row unless all rows halt (at
-        B=1: whenever the token halts): a halted row's query is cheaper to drop than its cache to gather."""
-        attn, h, B = block.attn, block.ln_1(x), x.size(0)                 # (B, 1, C)
-        active = None if p is None else p.view(B) <= 0.5
-        n = B if p is None else int(active.sum())  # host sync: how many rows run the block at this step
-        if n == 0:
-            cache.append(pos, *(attn.split_heads(t) for t in kv_proj(attn, h)))  # all halted: K/V only
+        """x (B, 1, C), p (B, 1, 1) halting probabilities -> x after routed block l+1 (semantics: the docstring
+        at the top). Every row writes its K/V; the rest runs unless every row halts."""
+        attn, h = block.attn, block.ln_1(x)                                # (B, 1, C)
+        if min(p.view(-1).tolist()) > 0.5:  # host sync: every row halts -> K/V only, no q / attention / c_proj / FFN
+            cache.append(pos, *(attn.split_heads(t) for t in kv_proj(attn, h)))
             return x
         q, k, v = attn.qkv(h)                                              # 3 × (B, nh, 1, hs)
         k, v = cache.append(pos, k, v)                                     # (B, nh, pos + 1, hs)
         y = attn.attend(q, k, v, causal=False)                             # (B, 1, C)
-        g = 1.0 if p is None or self.cfg.hard_variant == "01" else 1.0 - p  # the gate of an active row
-        if n == B:
-            x = x + g * attn.c_proj(y).to(x.dtype)
-            return x + g * block.ffn_delta(x).to(x.dtype)
-        rows = active.nonzero().squeeze(1)                                 # (B',) a mixed batch: active rows
-        xa, ga = x[rows], g if isinstance(g, float) else g[rows]           # (B', 1, C)
-        xa = xa + ga * attn.c_proj(y[rows]).to(x.dtype)
-        xa = xa + ga * block.ffn_delta(xa).to(x.dtype)
-        return x.index_copy(0, rows, xa)
+        # B > 1: the eval gate (0 for halted rows); B = 1: the token is active, its gate is 1 ("01") or 1 − p
+        g = self.gate(p, "hard") if x.size(0) > 1 else None if self.cfg.hard_variant == "01" else 1.0 - p
+        x = gated(x, g, attn.c_proj(y))
+        return gated(x, g, block.ffn_delta(x))
 
     # ------------------------------------------------------------------------------------------------
     # early-exit baseline (§3.5)

@@ -200,18 +200,20 @@ def test_eval_stats(hard_train):
     assert torch.allclose(st["flops_saved_hard"], 1 - flops)
 
 
+@pytest.mark.parametrize("B", [1, 4])
 @pytest.mark.parametrize("skip_queries", [False, True])
 @pytest.mark.parametrize("hard_variant", ["01", "scaled"])
-def test_sparse_equals_eval(dev, skip_queries, hard_variant):
+def test_sparse_equals_eval(dev, skip_queries, hard_variant, B):
+    """B=4 packs each query range's active queries into a (B, W) grid; B=1 is the identity packing (slices)."""
     m = make(mixed=True, dtype=torch.float32, skip_queries=skip_queries, hard_variant=hard_variant).to(dev.device).eval()
-    x = ids(B=4).to(dev.device)
+    x = ids(B=4)[:B].to(dev.device)
     rec = record_p(m)
     with torch.no_grad(), dev.autocast():
         dense, _, st = m(x)
         ps_dense = rec[:]
         rec.clear()
         sparse, _, st_s = m(x, sparse=True)
-    assert_mixed(ps_dense)
+    assert_mixed(ps_dense, rows_differ=B > 1)
     ok = agreeing_prefix(ps_dense, rec)
     assert ok.all() if not dev.low else ok.float().mean() > 0.5
     atol, rtol = dev.tol()
@@ -225,6 +227,37 @@ def test_sparse_is_exact_in_fp64():
         m = make(mixed=True, skip_queries=skip_queries).eval()
         with torch.no_grad():
             assert torch.allclose(m(ids(B=4))[0], m(ids(B=4), sparse=True)[0], atol=1e-12, rtol=0)
+
+
+def force_rows(m, rows):
+    """Forward hooks overriding every router's p per row: "halt" (p = 0.9), "run" (p = 0.1), or "mix" (the
+    router's own p, except that positions < 9 halt, so a mixed row's first query range of three is empty)."""
+    def hook(mod, inp, p):
+        p = p.clone()
+        for b, r in enumerate(rows):
+            if r == "mix":
+                p[b, :9] = 0.9
+            else:
+                p[b] = 0.9 if r == "halt" else 0.1
+        return p
+    return [r.register_forward_hook(hook) for r in m.routers]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+@pytest.mark.parametrize("rows", [["mix"], ["halt"], ["run"], ["halt", "run", "mix"], ["mix", "halt", "mix"]])
+def test_sparse_packing_exact(monkeypatch, chunks, rows):
+    """sparse_attention's packing in float64 against the dense eval forward: B=1 (identity packing), rows whose
+    every token halts / runs / mixes in one batch, 1–3 query ranges at T=29 (unequal ranges, some empty)."""
+    monkeypatch.setattr(tsa, "QUERY_CHUNKS", chunks)
+    m = make(mixed=True).eval()
+    force_rows(m, rows)
+    x = ids(B=len(rows), T=29)
+    rec = record_p(m)
+    with torch.no_grad():
+        dense = m(x)[0]
+        assert torch.allclose(dense, m(x, sparse=True)[0], atol=1e-12, rtol=0)
+    if "mix" in rows:
+        assert_mixed(rec[:3], rows_differ=False)
 
 
 def test_sparse_all_halted_and_all_active():
@@ -258,13 +291,14 @@ def test_causality(dev, mode):
 # ----------------------------------------------------------------------------------------------------
 # Cached decoding (prefill/step) == the full eval forward
 
+@pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("hard_variant", ["01", "scaled"])
-def test_cached_decode_equals_forward(dev, hard_variant):
+def test_cached_decode_equals_forward(dev, hard_variant, B):
     """Every prefix: prefill/step logits == self(idx[:, :n])[0][:, -1] (eval, dense-hard), with halted and
     active tokens in a mixed batch. Under bf16, positions after a decision flipped at the threshold are
     skipped (causality makes the earlier ones comparable)."""
     m = make(mixed=True, dtype=torch.float32, hard_variant=hard_variant).to(dev.device).eval()
-    x = ids(B=3).to(dev.device)
+    x = ids(B=3)[:B].to(dev.device)
     rec = record_p(m)
     with torch.no_grad(), dev.autocast():
         full = m(x)[0].float()  # (B, T, V)
@@ -275,7 +309,7 @@ def test_cached_decode_equals_forward(dev, hard_variant):
         for t in range(8, 32):
             logits, state = m.step(x[:, t:t + 1], state)
             got.append(logits.float())
-    assert_mixed(ps_full)
+    assert_mixed(ps_full, rows_differ=B > 1)
     ps_cached = [torch.cat([rec[l]] + rec[3 + l::3], dim=1) for l in range(3)]  # prefill (B, 8), then one per step
     ok = agreeing_prefix(ps_full, ps_cached)[:, 7:]
     assert ok.all() if not dev.low else ok.float().mean() > 0.5
@@ -288,9 +322,12 @@ def test_cached_decode_equals_forward(dev, hard_variant):
                 assert torch.allclose(got[:, n - 8], m(x[:, :n])[0][:, -1], atol=1e-5, rtol=1e-5)
 
 
-def test_cached_decode_exact_fp64_and_preallocated():
+@pytest.mark.parametrize("B", [1, 3])
+def test_cached_decode_exact_fp64_and_preallocated(B):
+    """B=1: a step either runs a routed block or (the token halts) only writes its K/V; B=3: mixed batches."""
     m = make(mixed=True, skip_queries=False).eval()
-    x = ids(B=3)
+    x = ids(B=3)[:B]
+    rec = record_p(m)
     with torch.no_grad():
         logits, state = m.prefill(x[:, :5])
         storage = [c.k.data_ptr() for c in state[0]]
@@ -298,6 +335,8 @@ def test_cached_decode_exact_fp64_and_preallocated():
             assert torch.allclose(logits, m(x[:, :t])[0][:, -1], atol=1e-12, rtol=0)
             logits, state = m.step(x[:, t:t + 1], state)
     assert [c.k.data_ptr() for c in state[0]] == storage and state[0][0].k.size(2) == 32  # no growth
+    steps = torch.cat([p.flatten() for p in rec if p.size(1) == 1])  # every step's decisions, all routers
+    assert (steps > 0.5).any() and (steps <= 0.5).any()  # both branches of decode_block ran
 
 
 def window_start(n, block_size):
