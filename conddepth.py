@@ -30,31 +30,28 @@ Choices where the paper is silent: the gate reads the FFN sub-layer input a (eq.
 the decision; the controller runs in fp32 under any autocast, from PyTorch's fan-in init (GPT's 0.02 init
 left var(u) ~ 1e-12: top-k by rounding); L_JEPA is averaged over the C layers; rank pairs are (t, π(t)), π a
 random permutation per sequence, ties dropped; A2 deranges targets with one random B·T-cycle. The oracle is
-"independent of the current gate policy" (§3.3): its full branch is the dense model (every controlled layer
-full), the cheap branch of (l, t) changes only token t's FFN at layer l; all B·T forks of a layer run in one
-batch, W positions each (W× the later layers' work of one pass). P/D widths 64 in the paper preset give its
-trainable counts exactly (G1 828,484, G3 849,348).
+"independent of the current gate policy" (§3.3): its full branch is the dense model, the cheap branch of
+(l, t) changes only token t's FFN at layer l; all B·T forks of a layer run in one batch, W positions each.
+P/D widths 64 in the paper preset give its trainable counts exactly (G1 828,484, G3 849,348).
 
-Fine-tuning from a trained dense GPT (issue 12). The paper's scope (controller_only, §3.4) freezes the backbone,
-so at ρ = 0.5 half the tokens of the C controlled layers trade their FFN for the rank-r cheap FFN and nothing
-else can adapt: from a well-trained start the routed model ends worse than that start. controller_only=False
-(our deviation; the paper lists joint training as future work) also trains the backbone with the controller,
-and ends below its start (results/conddepth.md, issue 12 item 3).
+From a trained dense GPT (issue 12) the paper's scope (controller_only, §3.4, frozen backbone) ends worse than
+its start; controller_only=False (our deviation; the paper's future work) trains the backbone too.
 
 Training vs inference. Training routes by exact top-k per sequence (eqs. 7–9), which looks at FUTURE tokens.
 What inference runs (eval, mode="causal", the default) routes each token alone: full iff u > θ_l, θ_l a
-running average of the training batches' top-k cut (midway between the kB-th and next score), kept in the
-checkpoint (so --resume is exact); θ = +∞ before the first step (all cheap; −∞ at ρ = 1). Eval returns the
-causal hard loss and stats["soft_loss"], the top-k (training) one; mode="topk" evaluates the paper's
-non-causal top-k. sparse=True runs each token's path only (gather/scatter), with the same decisions. Cached
-decoding (prefill/step): attention is unchanged, so every token's K/V is cached at every layer; a token with
-u ≤ θ_l runs only the cheap FFN there, the others only the full FFN.
+running average of training's top-k cut (midway between the kB-th and next score), kept in the checkpoint;
+θ = +∞ before the first step (all cheap; −∞ at ρ = 1). Eval returns the causal hard loss and
+stats["soft_loss"], the top-k (training) one; mode="topk" evaluates the paper's non-causal top-k. Inference
+(no targets) runs G3 with its linear maps composed (GateG3.fold: the same u up to rounding, 3 GEMMs, not 5).
+sparse=True (same decisions) runs the full FFN only on the full-path tokens, the cheap one (r/d_ff of a full
+FFN) on every token of a mixed batch. Cached decoding (prefill/step): attention is unchanged, so every token's
+K/V is cached at every layer; at B = 1 a token runs only the cheap FFN (u ≤ θ_l) or only the full one.
 
 Compute proxies (paper §4), in FFN units of the C controlled layers (1 = one token through one full FFN,
 common.flops_ffn(d, 4d)), forward FLOPs:
     infer_vs_full   = ρ + (1 − ρ)·r/d_ff + ctrl_infer/FFN
     compute_vs_full = 1 + r/d_ff + ctrl_train/FFN + f_label·oracle/C
-ctrl: G1's MLP, or G3's W_c + P (twice) + D (+ T twice in training); f_label: fraction of steps with labels;
+ctrl: G1's MLP, or G3's W_c + P (twice) + D (+ T twice in training; unfolded); f_label: share of label steps;
 oracle: units per label step = dense pass C + cheap forks C·r/d_ff + W·C(C−1)/2 for the forks' later layers.
 """
 import math
@@ -137,8 +134,7 @@ class Config(common.Config):
 PRESETS = {"paper": dict(n_layer=12, n_embd=640, n_head=10, block_size=256, n_controlled=4, cheap_rank=80,
                          d_c=128, d_a=16, d_s=64, pred_hidden=64, learning_rate=2e-4, min_lr=2e-6,
                          warmup_iters=1000, max_iters=20000, eval_interval=500, eval_iters=16),
-           # one command, no dense checkpoint: backbone, cheap path and G1 gate trained jointly from scratch,
-           # without the oracle (A3: cheaper, and the paper's better recipe)
+           # one command, no dense checkpoint: backbone, cheap path, G1 gate trained jointly, no oracle (A3)
            "classroom": dict(common.CLASSROOM, recipe="A3-G1", controller_only=False, cheap_rank=16,
                              weight_decay=0.1)}
 
@@ -152,8 +148,7 @@ class CheapFFN(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.ln = nn.LayerNorm(cfg.n_embd)                           # its own LN, not shared with LN2
-        self.up = nn.Linear(cfg.n_embd, cfg.cheap_rank)
-        self.down = nn.Linear(cfg.cheap_rank, cfg.n_embd)
+        self.up, self.down = nn.Linear(cfg.n_embd, cfg.cheap_rank), nn.Linear(cfg.cheap_rank, cfg.n_embd)
 
     def forward(self, a):
         return self.down(F.silu(self.up(self.ln(a))))
@@ -180,6 +175,23 @@ class GateG3(nn.Module):
         self.target = nn.Linear(cfg.n_embd, cfg.d_s, bias=False)    # T: fixed, never trained
         self.target.weight.requires_grad = False
 
+    @torch.no_grad()
+    def fold(self):
+        """Inference needs u, not q: the linear maps between the nonlinearities of eqs. (11)–(13) composed,
+        P1[c; e_a] = (P1_c W_c) a + β_a and D1[q_f; q_c; q_f − q_c] = (D1_f + D1_d) q_f + (D1_c − D1_d) q_c."""
+        P1, P2, D1 = self.pred[0], self.pred[2], self.head[0]
+        P1_c, P1_e = P1.weight.split([self.w_c.out_features, self.e.size(1)], 1)
+        D1_f, D1_c, D1_d = D1.weight.split(P2.out_features, 1)
+        beta = P1_c @ self.w_c.bias + self.e @ P1_e.T + P1.bias      # (2, h): one row per action
+        M = torch.cat([(D1_f + D1_d) @ P2.weight, (D1_c - D1_d) @ P2.weight], 1)  # (h_D, 2h)
+        return P1_c @ self.w_c.weight, beta, M, (D1_f + D1_c) @ P2.bias + D1.bias
+
+    def infer(self, a, fold):
+        """u from fold(): the same function up to rounding, 3 small GEMMs instead of 5, no concatenation."""
+        W_z, beta, M, c0 = fold
+        s = F.silu(F.linear(a, W_z)[..., None, :] + beta)           # (B, T, 2, h): P's hidden, per action
+        return self.head[2](F.silu(F.linear(s.flatten(-2), M, c0))).squeeze(-1)  # (B, T)
+
     def forward(self, a):
         c = self.w_c(a.detach())                                     # (B, T, d_c), eq. (11): sg(h)
         e = self.e[:, None, None, :].expand(2, *c.shape[:2], -1)     # (2, B, T, d_a)
@@ -196,8 +208,7 @@ def budget_k(rho, T):
 
 def topk_mask(u, k):
     """Exact top-k per sequence: (B, T) scores -> (B, T) bool, exactly k True per row."""
-    idx = u.topk(k, dim=-1).indices                                  # (B, k)
-    return torch.zeros_like(u, dtype=torch.bool).scatter_(-1, idx, True)
+    return torch.zeros_like(u, dtype=torch.bool).scatter_(-1, u.topk(k, dim=-1).indices, True)
 
 
 def derangement(n, device):
@@ -210,8 +221,7 @@ def derangement(n, device):
 
 def windowed_ce(ce, W, gamma):
     """eq. (16): C̃E_t = Σ_{δ<W} γ^δ CE_{t+δ}; (N, T) -> (N, T), positions past T contribute 0."""
-    T = ce.size(1)
-    padded = F.pad(ce, (0, W - 1))
+    padded, T = F.pad(ce, (0, W - 1)), ce.size(1)
     return sum(gamma ** d * padded[:, d:d + T] for d in range(W))
 
 
@@ -246,11 +256,8 @@ class Model(common.LM):
                 nn.init.normal_(g.e)                                 # distinct actions: q_full ≠ q_cheap at step 0
                 nn.init.orthogonal_(g.target.weight)                 # T: orthogonal init, frozen
         if cfg.controller_only:                                      # paper §3.4: train cheap path + controller only
-            for p in self.parameters():
-                p.requires_grad = False
-            for m in (*self.cheap, *self.gates):
-                for name, p in m.named_parameters():
-                    p.requires_grad = not name.startswith("target")
+            for name, p in self.named_parameters():
+                p.requires_grad = name.startswith(("cheap.", "gates.")) and ".target." not in name
         self.mode = cfg.mode                                         # switchable (tests, experiments)
         self.label_now = False                                       # set by on_step: oracle labels this step?
         self.last_masks, self.last_scores = [], []
@@ -261,11 +268,12 @@ class Model(common.LM):
         self.label_now = (cfg.lam_util > 0 or cfg.lam_rank > 0) and it >= cfg.label_start \
             and (it - cfg.label_start) % cfg.label_every == 0
 
-    def controller(self, j, a):
-        """u (B, T) and G3's (q_full, q_cheap), in fp32 under any autocast (numerics policy: the decision
-        depends on a only, not on the dtype the rest of the model runs in)."""
+    def controller(self, j, a, fold=()):
+        """u (B, T) and G3's (q_full, q_cheap), or (u, None) from G3's fold() (inference). In fp32 under any
+        autocast (numerics policy: the decision depends on a only, not on the dtype the rest runs in)."""
         with torch.autocast(a.device.type, enabled=False):
-            return self.gates[j](a.to(torch.promote_types(a.dtype, torch.float32)))
+            a = a.to(torch.promote_types(a.dtype, torch.float32))
+            return (self.gates[j].infer(a, fold), None) if fold else self.gates[j](a)
 
     def forward(self, idx, targets=None, sparse=False):
         cfg, L, C = self.cfg, self.cfg.n_layer, self.cfg.n_controlled
@@ -288,8 +296,7 @@ class Model(common.LM):
                  **{f"skip_l{L - C + j}": 1 - f for j, f in enumerate(full)}}
         if r["jepa"] is not None:
             stats.update(jepa=r["jepa"].detach(), qf_qc_l2=r["l2"], qf_qc_cos=r["cos"])
-        zero = lm_loss.new_zeros(())
-        util, rank = zero, zero
+        util = rank = zero = lm_loss.new_zeros(())
         labelled = self.training and self.label_now
         if labelled:
             u_star = [us.to(u.dtype) for us, u in zip(self.oracle_labels(x.detach(), targets), r["u"])]  # C × (B, T)
@@ -308,14 +315,15 @@ class Model(common.LM):
         """The C controlled layers on x (B, T, d), the residual entering the first one. topk: route by exact
         top-k per sequence (training; in training also updates θ), else by the causal thresholds θ. Returns
         the output residual and per-layer u and m, plus (losses=True) the budget/alive/JEPA terms."""
-        cfg, C = self.cfg, self.cfg.n_controlled
-        B, T, _ = x.shape
+        (cfg, C), (B, T, _) = (self.cfg, self.cfg.n_controlled), x.shape
         k = budget_k(cfg.rho, T)
         us, ps, ms, jepas, l2s, coss = [], [], [], [], [], []
+        full_terms = losses or self.training                         # q and p feed only the losses and eq. (8)
+        folds = [()] * C if full_terms else self.folds()
         for j, block in enumerate(self.blocks[-C:]):
             a = x + block.attn_delta(x).to(x.dtype)                  # (B, T, d), eq. (1)
-            u, q = self.controller(j, a)                             # (B, T) fp32
-            p = torch.sigmoid(u / cfg.tau)                           # eq. (6)
+            u, q = self.controller(j, a, folds[j])                   # (B, T) fp32
+            p = torch.sigmoid(u / cfg.tau) if full_terms else None   # eq. (6)
             if topk:
                 m = topk_mask(u.detach(), k)                         # (B, T) bool, eq. (7)
                 if self.training and k < T:
@@ -361,8 +369,7 @@ class Model(common.LM):
 
     @torch.no_grad()
     def calibrate_thresholds(self, batches):
-        """Set θ afresh from a few batches (B, T) of ids: the mean top-k cut of training's routing. Training
-        does this by itself; this is for a model that was not trained here (benchmarks, tests)."""
+        """θ afresh from batches (B, T) of ids, as training sets it: for a model not trained here (benchmarks)."""
         was_training = self.training
         self.threshold_batches.zero_()
         self.train()
@@ -372,18 +379,17 @@ class Model(common.LM):
         return self.thresholds.clone()
 
     def sparse_ffn(self, block, cheap, a, m):
-        """Each token runs only its own path: gather the full-path and the cheap-path tokens of the whole
-        batch, run each FFN once on its subset, write back. Rows may route different numbers of tokens."""
+        """Each token's path: the full FFN only on the batch's full-path tokens (one gather, one write-back over
+        the cheap result), the cheap FFN (r/d_ff of a full one) on every token; one path alone when all agree."""
         a2, m2 = a.reshape(-1, a.size(-1)), m.reshape(-1)            # (N, d), (N,)
         N, n = m2.numel(), int(m2.sum())                             # host sync: how many run the full FFN
-        if n in (0, N):                                              # one path for all (e.g. decoding at B = 1)
-            return a + (block.ffn_delta(a) if n else cheap(a)).to(a.dtype)
-        i_full = torch.nonzero_static(m2, size=n).squeeze(1)         # (n,)
-        i_cheap = torch.nonzero_static(~m2, size=N - n).squeeze(1)   # (N − n,)
-        x_full, x_cheap = a2.index_select(0, i_full), a2.index_select(0, i_cheap)  # (n, d), (N − n, d)
-        out = torch.empty_like(a2)
-        out.index_copy_(0, i_full, x_full + block.ffn_delta(x_full).to(a.dtype))  # index_copy does not promote
-        out.index_copy_(0, i_cheap, x_cheap + cheap(x_cheap).to(a.dtype))
+        if n == N:
+            return a + block.ffn_delta(a).to(a.dtype)
+        out = a2 + cheap(a2).to(a.dtype)                             # (N, d), eq. (3)
+        if n:
+            i_full = torch.nonzero_static(m2, size=n).squeeze(1)     # (n,)
+            x_full = a2.index_select(0, i_full)                      # (n, d)
+            out.index_copy_(0, i_full, x_full + block.ffn_delta(x_full).to(a.dtype))  # eq. (2); no promotion
         return out.view_as(a)
 
     # ------------------------------------------------------------------------------------------------
@@ -401,8 +407,7 @@ class Model(common.LM):
         the dense model (one pass, keeping each layer's K/V); the cheap branch of fork (l, t) changes token t's
         FFN at layer l only, so positions < t are unchanged and only t … t+W−1 enter its window: each fork
         recomputes those W positions of the later layers against the dense K/V of positions < t."""
-        cfg, C, W = self.cfg, self.cfg.n_controlled, self.cfg.oracle_window
-        B, T, _ = x.shape
+        (cfg, C, W), (B, T, _) = (self.cfg, self.cfg.n_controlled, self.cfg.oracle_window), x.shape
         kv, outs, cheap_outs = [], [], []
         for j, block in enumerate(self.blocks[-C:]):                 # the dense pass
             q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T, hs)
@@ -427,8 +432,7 @@ class Model(common.LM):
     def fork_block(self, block, h, K, V, valid):
         """One later layer for every fork's window h (B, T, W, d): fork t's queries see the dense keys of
         positions < t (K, V: (B, nh, T, hs)) and its own window's keys up to themselves."""
-        B, T, W, d = h.shape
-        nh = block.attn.n_head
+        (B, T, W, d), nh = h.shape, block.attn.n_head
         q, k, v = block.attn.c_attn(block.ln_1(h)).view(B, T, W, 3, nh, d // nh).permute(3, 0, 4, 1, 2, 5)
         s_dense = torch.einsum("bhtwe,bhse->bhtws", q, K).float()    # (B, nh, T, W, T)
         s_fork = torch.einsum("bhtwe,bhtve->bhtwv", q, k).float()    # (B, nh, T, W, W)
@@ -442,7 +446,7 @@ class Model(common.LM):
         return h + block.ffn_delta(h).to(h.dtype)
 
     # ------------------------------------------------------------------------------------------------
-    # Inference: the routing picture and cached decoding (state = (one KV cache per layer, position))
+    # Inference: the routing picture and cached decoding (state = (a KV cache per layer, position, folds))
 
     @torch.no_grad()
     def routing_map(self, idx):
@@ -456,35 +460,35 @@ class Model(common.LM):
         m = torch.stack([mk[0].float() for mk in self.last_masks]).cpu()  # (C, T)
         return m, [f"layer {L - C + j}" for j in range(C)], ("cheap FFN", "full FFN")
 
-    def routed_ffn(self, i, block, a):
-        """Block i's FFN sub-layer at inference: dense below the controlled layers, else each token's path."""
-        j = i - (self.cfg.n_layer - self.cfg.n_controlled)
-        if j < 0:
-            return a + block.ffn_delta(a).to(a.dtype)
-        if self.mode != "causal":
-            raise NanorouteError("cached decoding routes causally: mode='topk' looks at future tokens "
-                                 "(use mode='causal', or generate(..., use_cache=False))")
-        return self.sparse_ffn(block, self.cheap[j], a, self.controller(j, a)[0] > self.thresholds[j])
+    def folds(self):
+        """Every gate's inference form (GateG3.fold; G1 has nothing to compose), in fp32 under any autocast."""
+        with torch.autocast(self.wte.weight.device.type, enabled=False):
+            return [g.fold() if self.cfg.gate == "G3" else () for g in self.gates]
 
     @torch.no_grad()
     def prefill(self, idx):
-        B, T = idx.shape
-        x, caches = self.embed(idx), []                              # (B, T, d)
-        for i, block in enumerate(self.blocks):
-            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T, hs)
-            caches.append(common.KVCache(B, self.cfg.block_size, k, v))
-            x = self.routed_ffn(i, block, x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype))
-        return self.head(x[:, -1:])[0][:, -1], (caches, T)
+        if self.mode != "causal":
+            raise NanorouteError("cached decoding routes causally: mode='topk' looks at future tokens "
+                                 "(use mode='causal', or generate(..., use_cache=False))")
+        return self.step(idx, (None, 0, self.folds()))               # the gates' inference form, once per prefill
 
     @torch.no_grad()
     def step(self, tok, state):
-        caches, pos = state
-        x = self.wte(tok) + self.wpe.weight[pos]                     # (B, 1, d)
-        for i, (block, cache) in enumerate(zip(self.blocks, caches)):
-            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, 1, hs)
-            k, v = cache.append(pos, k, v)                           # (B, nh, pos + 1, hs)
-            x = self.routed_ffn(i, block, x + block.attn.c_proj(block.attn.attend(q, k, v, causal=False)).to(x.dtype))
-        return self.head(x)[0][:, -1], (caches, pos + 1)
+        """tok (B, 1) at position pos against the KV caches; caches None: prefill, tok the window, creating them."""
+        (caches, pos, folds), L, C = state, self.cfg.n_layer, self.cfg.n_controlled
+        x = self.embed(tok) if caches is None else self.wte(tok) + self.wpe.weight[pos]  # (B, T', d)
+        new = []
+        for i, block in enumerate(self.blocks):
+            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T', hs)
+            if caches is None:
+                new.append(common.KVCache(x.size(0), self.cfg.block_size, k, v))
+            else:
+                k, v = caches[i].append(pos, k, v)                   # (B, nh, pos + 1, hs)
+            a = x + block.attn.c_proj(block.attn.attend(q, k, v, causal=caches is None)).to(x.dtype)
+            j = i - (L - C)                                          # controlled (j ≥ 0): each token's path
+            x = a + block.ffn_delta(a).to(a.dtype) if j < 0 else \
+                self.sparse_ffn(block, self.cheap[j], a, self.controller(j, a, folds[j])[0] > self.thresholds[j])
+        return self.head(x[:, -1:])[0][:, -1], (caches or new, pos + tok.size(1), folds)
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
         """common.LM.generate; mode="topk" re-routes the whole window each token (it has no causal cache)."""
@@ -494,12 +498,15 @@ class Model(common.LM):
 # ----------------------------------------------------------------------------------------------------
 # Compute: forward FLOPs per token of what inference runs, and the paper's proxies (§4) in FFN units
 
-def controller_flops(cfg, train):
+def controller_flops(cfg, train, folded=True):
+    """One gate's forward FLOPs per token: in training, or at inference (G3 folded; folded=False: the paper's)."""
     d = cfg.n_embd
     if cfg.gate == "G1":
         h = cfg.g1_hidden or d // 4
         return 2 * (d * h + h)
     h = cfg.pred_hidden
+    if folded and not train:                                         # GateG3.infer: W_z, M, D's last layer
+        return 2 * (d * h + 2 * h * h + h)
     f = 2 * d * cfg.d_c                                              # W_c
     f += 2 * 2 * ((cfg.d_c + cfg.d_a) * h + h * cfg.d_s)             # P, once per action
     f += 2 * (3 * cfg.d_s * h + h)                                   # D
@@ -517,21 +524,17 @@ def flops_per_token(cfg, T, full):
 
 def label_fraction(cfg):
     """Fraction of the max_iters steps that compute oracle labels."""
-    if cfg.lam_util == 0 and cfg.lam_rank == 0:
-        return 0.0
     n = max(0, math.ceil((cfg.max_iters - cfg.label_start) / cfg.label_every))
-    return n / cfg.max_iters
+    return n / cfg.max_iters if cfg.lam_util or cfg.lam_rank else 0.0
 
 
 def infer_vs_full(cfg):
-    ffn = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd)
-    cheap = common.flops_ffn(cfg.n_embd, cfg.cheap_rank) / ffn       # r / d_ff
-    return cfg.rho + (1 - cfg.rho) * cheap + controller_flops(cfg, train=False) / ffn
+    ffn, cheap = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd), cfg.cheap_rank / (4 * cfg.n_embd)  # cheap: r / d_ff
+    return cfg.rho + (1 - cfg.rho) * cheap + controller_flops(cfg, train=False, folded=False) / ffn
 
 
 def compute_vs_full(cfg):
-    ffn = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd)
-    cheap = common.flops_ffn(cfg.n_embd, cfg.cheap_rank) / ffn
+    ffn, cheap = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd), cfg.cheap_rank / (4 * cfg.n_embd)
     C = cfg.n_controlled
     oracle = label_fraction(cfg) * (C + C * cheap + cfg.oracle_window * C * (C - 1) / 2) / C  # per label step
     return 1 + cheap + controller_flops(cfg, train=True) / ffn + oracle

@@ -4,7 +4,7 @@ CPU timing of conddepth's inference paths (results/conddepth.md, "Speed"), in on
   python experiments/conddepth_speed.py forward [pairs]   # sparse vs dense-hard vs dense GPT, B 1 / 8 / 64, T 128
   python experiments/conddepth_speed.py decode [paper]    # cached generate: routed vs the dense GPT, B 1 / 8
 
-One thread. forward: median (and interquartile range) of per-pair time ratios, the pair order alternating, so a
+One thread. Both: median (and interquartile range) of per-pair time ratios, the pair order alternating, so a
 busy machine hits both sides of a pair alike. Until bench.py carries these rows (issue 13).
 """
 import os
@@ -58,7 +58,8 @@ def forward(n):
 
 
 @torch.no_grad()
-def decode(paper, new=100, reps=7):
+def decode(paper, new=100):
+    reps = 5 if paper else 30
     size = dict(n_layer=12, n_embd=640, n_head=10, n_controlled=4, cheap_rank=80, d_c=128, d_s=64,
                 pred_hidden=64) if paper else {}
     arch = {k: v for k, v in size.items() if k in ("n_layer", "n_embd", "n_head")}
@@ -70,20 +71,14 @@ def decode(paper, new=100, reps=7):
             f.down.weight.normal_(0, 0.02)
         model.calibrate_thresholds([torch.randint(0, 65, (16, T))])
         for B in (1, 8):
-            prompt, times = torch.randint(0, 65, (B, 1)), {"routed": [], "dense": []}
-            for i in range(reps):
-                for name, m in (("routed", model), ("dense", gpt)):
-                    torch.manual_seed(i)
-                    t = time.perf_counter()
-                    m.generate(prompt, new)
-                    times[name].append(time.perf_counter() - t)
-            best = {k: min(v[1:]) for k, v in times.items()}
+            prompt = torch.randint(0, 65, (B, 1))
+            seeded = lambda m: lambda: (torch.manual_seed(0), m.generate(prompt, new))
+            r, lo, hi = paired(seeded(gpt), seeded(model), reps)  # dense time / routed time
             model(model.generate(prompt, new))
             full = torch.stack([m.float().mean() for m in model.last_masks]).mean().item()
             ideal = common.dense_flops_per_token(cfg, new) / cd.flops_per_token(cfg, new, [full] * cfg.n_controlled).item()
-            print(f"{gate} d={cfg.n_embd} rho={rho} B={B}: routed {B * new / best['routed']:.0f} tok/s, dense "
-                  f"{B * new / best['dense']:.0f} tok/s, ratio {best['dense'] / best['routed']:.3f} (FLOPs-ideal "
-                  f"{ideal:.3f}, full {full:.2f})", flush=True)
+            print(f"{gate} d={cfg.n_embd} rho={rho} B={B}: routed/dense tokens/s {r:.3f} (IQR {lo:.3f}-{hi:.3f}), "
+                  f"FLOPs-ideal {ideal:.3f}, full {full:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,44 @@ def test_prefill_and_step_equal_the_full_forward(dev):
     assert 0 < torch.stack(m.last_masks).float().mean() < 1  # both paths were really taken
 
 
+def test_batch_one_decoding_takes_one_path_per_layer(dev):
+    """B = 1: the whole batch is one token, so each controlled layer runs the full FFN alone or the cheap alone
+    (sparse_ffn's two single-path branches, no gather); both must equal the full forward."""
+    m = calibrated(make(torch.float32, gate="G3", block_size=16)).to(dev.device).eval()
+    x, _ = data(B=1, T=16, seed=3, device=dev.device)
+    with dev.autocast():
+        steps, full = decoded_vs_full(m, x, 2)
+    atol, rtol = dev.tol()
+    close = torch.isclose(steps, full, atol=atol, rtol=rtol).all(-1)  # (1, 15)
+    assert close.float().mean() >= (0.9 if dev.low else 1.0) and close[:, 0].all()
+    decided = torch.stack(m.last_masks)[:, 0, 1:]                    # (C, 15) decisions of the decoded tokens
+    assert decided.any(1).all() and (~decided).any(1).all()           # every layer ran each path alone
+
+
+def test_g3_inference_fold_is_the_same_function(dev):
+    """GateG3.infer (the linear maps of eqs. 11–13 composed, what every inference path runs) == the gate as
+    trained, in fp32 under any autocast; and the model's routing and logits do not change with it."""
+    m = make(torch.float32, gate="G3").to(dev.device)
+    a = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(0)).to(dev.device)
+    with dev.autocast():
+        folds = m.folds()                                            # composed where inference composes them
+    for j, fold in enumerate(folds):
+        with dev.autocast():
+            u, q = m.controller(j, a, fold)
+        assert u.dtype == torch.float32 and q is None
+        torch.testing.assert_close(u, m.controller(j, a)[0], atol=1e-5, rtol=1e-5)
+        W_z, beta, M, c0 = fold  # what inference pays for: the counted FLOPs are these GEMMs
+        assert cd.controller_flops(m.cfg, False) == 2 * (W_z.numel() + M.numel() + m.gates[j].head[2].weight.numel())
+    m64 = calibrated(make(gate="G3")).eval()                         # float64: equal up to rounding
+    x, y = data(B=4)
+    with torch.no_grad():
+        unfolded, _, _ = m64(x, y)                                   # targets: the training form (q for JEPA)
+        masks = m64.last_masks
+        folded, _, _ = m64(x)                                        # inference: the fold
+    assert all(torch.equal(p, q) for p, q in zip(masks, m64.last_masks)) and 0 < torch.stack(masks).float().mean() < 1
+    torch.testing.assert_close(folded, unfolded, atol=1e-12, rtol=0)
+
+
 def test_cached_generate_equals_cache_free_past_block_size(dev):
     m = calibrated(make(torch.float32, block_size=8)).to(dev.device)
     with torch.no_grad():
