@@ -30,20 +30,28 @@ import common
 
 
 def timeit(fns, device, repeats=10, warmup=3):
-    """Median seconds of each callable in fns (a dict), interleaved so drift hits all of them alike."""
-    times = {name: [] for name in fns}
-    for i in range(warmup + repeats):
-        for name, fn in fns.items():
+    """Median seconds of each callable in fns (a dict), interleaved so drift hits all of them alike, the order
+    rotating every round so that none always runs first (after another's cache traffic, or not). Fast calls
+    get more rounds than `repeats`: enough for ~MIN_SECONDS each (a 15 ms call's median of 5 is noise)."""
+    times, order = {name: [] for name in fns}, list(fns.items())
+    i = 0
+    while i < warmup + repeats:
+        for name, fn in order[i % len(order):] + order[:i % len(order)]:
             common.sync(device)
             t = time.perf_counter()
             fn()
             common.sync(device)
             if i >= warmup:
                 times[name].append(time.perf_counter() - t)
+        i += 1
+        if i == warmup + 1:  # the first timed round sets the number of rounds
+            fastest = min(ts[0] for ts in times.values())
+            repeats = max(repeats, min(int(MIN_SECONDS / max(fastest, 1e-6)), 200))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 DTYPE = None  # the autocast dtype of this run (--dtype; None: what training uses on the device)
+MIN_SECONDS = 1.0  # timeit's time per callable at least (0 with --quick: a smoke run)
 
 
 def train_step(model, x, y, device):
@@ -506,7 +514,8 @@ def main(argv=None):
     p.add_argument("--ckpt", default="", help="a trained checkpoint, for suites that use trained routers")
     args = p.parse_args(argv)
     try:
-        global DTYPE
+        global DTYPE, MIN_SECONDS
+        MIN_SECONDS = 0.0 if args.quick else 1.0
         device = common.pick_device(args.device)
         DTYPE = args.dtype or common.default_dtype(device)
         torch.manual_seed(0)
