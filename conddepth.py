@@ -315,7 +315,8 @@ class Model(common.LM):
         """The C controlled layers on x (B, T, d), the residual entering the first one. topk: route by exact
         top-k per sequence (training; in training also updates θ), else by the causal thresholds θ. Returns
         the output residual and per-layer u and m, plus (losses=True) the budget/alive/JEPA terms."""
-        (cfg, C), (B, T, _) = (self.cfg, self.cfg.n_controlled), x.shape
+        cfg, C = self.cfg, self.cfg.n_controlled
+        B, T, _ = x.shape
         k = budget_k(cfg.rho, T)
         us, ps, ms, jepas, l2s, coss = [], [], [], [], [], []
         full_terms = losses or self.training                         # q and p feed only the losses and eq. (8)
@@ -407,7 +408,8 @@ class Model(common.LM):
         the dense model (one pass, keeping each layer's K/V); the cheap branch of fork (l, t) changes token t's
         FFN at layer l only, so positions < t are unchanged and only t … t+W−1 enter its window: each fork
         recomputes those W positions of the later layers against the dense K/V of positions < t."""
-        (cfg, C, W), (B, T, _) = (self.cfg, self.cfg.n_controlled, self.cfg.oracle_window), x.shape
+        cfg, C, W = self.cfg, self.cfg.n_controlled, self.cfg.oracle_window
+        B, T, _ = x.shape
         kv, outs, cheap_outs = [], [], []
         for j, block in enumerate(self.blocks[-C:]):                 # the dense pass
             q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T, hs)
@@ -432,7 +434,8 @@ class Model(common.LM):
     def fork_block(self, block, h, K, V, valid):
         """One later layer for every fork's window h (B, T, W, d): fork t's queries see the dense keys of
         positions < t (K, V: (B, nh, T, hs)) and its own window's keys up to themselves."""
-        (B, T, W, d), nh = h.shape, block.attn.n_head
+        B, T, W, d = h.shape
+        nh = block.attn.n_head
         q, k, v = block.attn.c_attn(block.ln_1(h)).view(B, T, W, 3, nh, d // nh).permute(3, 0, 4, 1, 2, 5)
         s_dense = torch.einsum("bhtwe,bhse->bhtws", q, K).float()    # (B, nh, T, W, T)
         s_fork = torch.einsum("bhtwe,bhtve->bhtwv", q, k).float()    # (B, nh, T, W, W)
@@ -475,7 +478,8 @@ class Model(common.LM):
     @torch.no_grad()
     def step(self, tok, state):
         """tok (B, 1) at position pos against the KV caches; caches None: prefill, tok the window, creating them."""
-        (caches, pos, folds), L, C = state, self.cfg.n_layer, self.cfg.n_controlled
+        caches, pos, folds = state
+        L, C = self.cfg.n_layer, self.cfg.n_controlled
         x = self.embed(tok) if caches is None else self.wte(tok) + self.wpe.weight[pos]  # (B, T', d)
         new = []
         for i, block in enumerate(self.blocks):
