@@ -289,15 +289,14 @@ class Model(common.LM):
             h = block.ln_1(x)
             g_attn, g_bypass, delta = block.route(x)  # (B, 1)
             v = block.proj(h, "v")                    # (B, 1, C)
+            a = v
             if delta.any():  # host sync (one per D layer): a token no row routes skips Q, K and attention
                 split = block.attn.split_heads
                 q, k = block.proj(h, "qk").chunk(2, dim=-1)                # 2 × (B, 1, C)
                 K, V, valid = cache.append(split(k), split(v), delta[:, 0])  # (B, nh, L, hs), (B, L)
                 # a bypassed row's result is dropped by mix(); letting it see every slot avoids all -inf
                 a = block.attn.attend(split(q), K, V, (valid | ~delta)[:, None, None, :])  # (B, 1, C)
-                x = x + block.mix(a, h, v, delta, g_attn, g_bypass)
-            else:  # every row bypasses: eq. (5) alone, mix() without its selects
-                x = x + g_bypass[..., None] * (h if block.variant == "no_vo" else block.attn.c_proj(v))
+            x = x + block.mix(a, h, v, delta, g_attn, g_bypass)
             x = x + block.ffn_delta(x).to(x.dtype)
         return self.head(x)[0][:, -1], (caches, pos + 1)
 

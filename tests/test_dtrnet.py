@@ -357,17 +357,23 @@ def test_no_vo_variant_bypass_is_identity():
 # ---------------------------------------------------------------------------------------------------
 # cached decoding: prefill / step, window policy, generate
 
+def cached_logits(m, x, T0):
+    """prefill(x[:, :T0]) then one step per later token -> (B, T − T0 + 1, V) logits of positions T0−1 …"""
+    logits, state = m.prefill(x[:, :T0])
+    steps = [logits]
+    for t in range(T0, x.size(1)):
+        logits, state = m.step(x[:, t:t + 1], state)
+        steps.append(logits)
+    return torch.stack(steps, 1), state
+
+
 def test_prefill_step_equal_full_forward_and_cache_holds_routed_tokens_only():
     m = make(layers="TDDT").eval()
     B, T, T0 = 3, 48, 10
     x = torch.randint(0, 50, (B, T))
     full, _, _ = m(x)
-    logits, state = m.prefill(x[:, :T0])
-    steps = [logits]
-    for t in range(T0, T):
-        logits, state = m.step(x[:, t:t + 1], state)
-        steps.append(logits)
-    assert torch.allclose(torch.stack(steps, 1), full[:, T0 - 1:], atol=1e-10, rtol=0)
+    got, state = cached_logits(m, x, T0)
+    assert torch.allclose(got, full[:, T0 - 1:], atol=1e-10, rtol=0)
     # a D layer holds exactly the routed tokens of each row, in order (K of the routed tokens); T layers all
     caches, pos = state
     h = m.embed(x)
@@ -388,17 +394,13 @@ def test_prefill_step_equal_full_forward_and_cache_holds_routed_tokens_only():
 
 @pytest.mark.parametrize("variant", ["dtrnet", "no_vo"])
 def test_batch_one_decode_equals_full_forward_on_both_paths(variant):
-    """At B=1 every step takes one branch: routed (attention) or the bypass alone (eq. 5, no selects)."""
+    """At B=1 every step takes one branch: routed (attention) or the bypass alone (eq. 5)."""
     m = make(layers="TDDT", variant=variant).eval()
     x = torch.randint(0, 50, (1, 40))
     full, _, stats = m(x)
-    logits, state = m.prefill(x[:, :8])
-    steps = [logits]
-    for t in range(8, 40):
-        logits, state = m.step(x[:, t:t + 1], state)
-        steps.append(logits)
+    got, _ = cached_logits(m, x, 8)
     assert 0.1 < stats["frac_attn"] < 0.9  # both branches ran
-    assert torch.allclose(torch.stack(steps, 1), full[:, 7:], atol=1e-10, rtol=0)
+    assert torch.allclose(got, full[:, 7:], atol=1e-10, rtol=0)
 
 
 def test_decode_bypassed_tokens_skip_attention_and_cache_nothing():
