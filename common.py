@@ -620,8 +620,12 @@ def lr_at(it, cfg):
     """Linear warm-up, then cosine to min_lr at max_iters."""
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / cfg.warmup_iters
-    ratio = min(1.0, (it - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters))
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+    return cosine((it - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters), cfg.learning_rate, cfg.min_lr)
+
+
+def cosine(ratio, hi, lo):
+    """Half a cosine from hi (ratio 0) down to lo (ratio >= 1)."""
+    return lo + 0.5 * (1.0 + math.cos(math.pi * min(1.0, ratio))) * (hi - lo)
 
 
 def save_checkpoint(path, **state):

@@ -232,7 +232,7 @@ def train(cfg, module, resume=False):
             break
         if hasattr(raw_model, "on_step"):  # schedules that depend on the step (temperatures, label phases)
             raw_model.on_step(it)
-        lr = common.lr_at(it, cfg)
+        lr = raw_model.lr_at(it) if hasattr(raw_model, "lr_at") else common.lr_at(it, cfg)  # TSA: its last phase
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = common.get_batch(train_data, meta, cfg.batch_size, cfg.block_size,

@@ -33,6 +33,9 @@ Deviations from the paper (Config fields; `--preset paper` sets the paper's valu
     (eq. 6's term; a soft-trained router at the paper's budget scales tokens by 1 − p but hardly halts
     any), then frozen. Trained routers re-open in the phase and skip almost nothing (issue 12); calibrated,
     frozen ones execute the savings the soft model reports (results/tsa.md, CPU proxy).
+  * hard_ft_lr (`--preset paper`: 3e-4, its peak lr; default 0 = off): the phase's lr restarts at hard_ft_lr
+    and falls by a cosine to min_lr over the phase. The main schedule's tail (≈4e-5 → 3e-5 there) leaves the
+    backbone too little step size to adapt to the hard gates in 15% of the run (results/tsa.md, CPU proxy).
   * hard_variant="scaled": an active token keeps its soft scale 1 − p at inference (paper: "01", the full
     update); better than "01" in every run of results/tsa.md.
   * skip_queries=True: the sparse path also skips halted tokens' query / attention / out-projection work
@@ -71,6 +74,7 @@ class Config(common.Config):
     eval_soft: bool = True          # eval also runs the soft pass (soft_loss next to the hard loss)
     hard_ft_iters: int = 250        # the last iterations train with straight-through hard gates (all if > max_iters)
     hard_ft_routers: str = "train"  # ... in which the routers "train", stay "frozen", or "calibrate" (docstring)
+    hard_ft_lr: float = 0.0         # > 0: that phase's lr restarts at this value, cosine to min_lr (0: schedule goes on)
     variant: str = "tsa"            # "tsa" | "early_exit" (the §3.5 baseline)
     threshold: float = 1.0          # early exit: exit when max softmax prob > threshold (1.0: never)
     model: str = "tsa"
@@ -93,18 +97,21 @@ class Config(common.Config):
             raise NanorouteError(f"hard_ft_routers must be 'train', 'frozen' or 'calibrate', got {self.hard_ft_routers!r}")
         if self.hard_ft_iters < 0:
             raise NanorouteError(f"hard_ft_iters must be >= 0, got {self.hard_ft_iters}")
+        if self.hard_ft_lr and not self.hard_ft_lr >= self.min_lr:  # also refuses nan
+            raise NanorouteError(f"hard_ft_lr must be 0 (off) or >= min_lr={self.min_lr}, got {self.hard_ft_lr}")
 
 
 PRESETS = {
     # The paper's Shakespeare setup (§3.2): d=256, L=6, H=8, d_ff=1024, ctx 128, batch 64, 5000 steps, AdamW
     # β=(0.9, 0.95), wd 0.1, cosine; its sparse-TSA (§3.6: "01" gates, dense attention), soft training only.
     # lr, min_lr, dropout and warm-up: the authors' code (see the docstring). Deviation (ours, issue 12): the
-    # last 750 iterations straight-through with calibrated, frozen routers, so that sparse inference skips
-    # what the soft model claims at the soft model's quality; --hard_ft_iters=0 is the paper's recipe.
+    # last 750 iterations straight-through with calibrated, frozen routers and the lr restarted at its peak,
+    # so that sparse inference skips what the soft model claims at the soft model's quality;
+    # --hard_ft_iters=0 is the paper's recipe.
     "paper": dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
                   learning_rate=3e-4, min_lr=3e-5, warmup_iters=0, beta2=0.95, weight_decay=0.1, dropout=0.1,
                   eval_interval=250, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=750,
-                  hard_ft_routers="calibrate"),
+                  hard_ft_routers="calibrate", hard_ft_lr=3e-4),
     # ≤ 3 minutes on a 2-core CPU; the last 300 iterations straight-through so the hard routing a student
     # sees (routing_map) is the one the model was trained for.
     "classroom": dict(common.CLASSROOM, hard_ft_iters=300),
@@ -169,6 +176,13 @@ class Model(common.LM):
         start = self.cfg.max_iters - self.cfg.hard_ft_iters
         self.hard_train = self.cfg.hard_ft_iters > 0 and it >= start
         self.calibrate_now = self.hard_train and self.cfg.hard_ft_routers == "calibrate" and it == max(start, 0)
+
+    def lr_at(self, it):
+        """train.py's lr at step it: the common schedule, or with hard_ft_lr > 0 a fresh cosine over the phase."""
+        start = self.cfg.max_iters - self.cfg.hard_ft_iters
+        if not (self.cfg.hard_ft_lr and self.cfg.hard_ft_iters and it >= start):
+            return common.lr_at(it, self.cfg)
+        return common.cosine((it - start) / self.cfg.hard_ft_iters, self.cfg.hard_ft_lr, self.cfg.min_lr)
 
     # ------------------------------------------------------------------------------------------------
     # gates: soft (training, eqs. 3–4) and hard (inference, §3.6)

@@ -427,6 +427,22 @@ def test_on_step_hard_phase():
     assert torch.allclose(a, b, atol=1e-12)
 
 
+def test_hard_phase_lr_restarts(data_dir, tmp_path):
+    """hard_ft_lr > 0: the phase's lr restarts at hard_ft_lr and falls by a cosine to min_lr; before the phase (and
+    with hard_ft_lr = 0 everywhere) it is the common schedule. train.py must use it: the logged lr is checked."""
+    kw = dict(max_iters=8, hard_ft_iters=4, learning_rate=1e-3, min_lr=1e-4, warmup_iters=2)
+    plain, m = make(**kw), make(**kw, hard_ft_lr=1e-2)
+    assert [plain.lr_at(it) for it in range(9)] == [common.lr_at(it, plain.cfg) for it in range(9)]
+    assert [m.lr_at(it) for it in range(4)] == [common.lr_at(it, m.cfg) for it in range(4)]
+    assert m.lr_at(4) == 1e-2 and m.lr_at(6) == pytest.approx((1e-2 + 1e-4) / 2) and m.lr_at(8) == pytest.approx(1e-4)
+    import train
+    train.main(["--model", "tsa", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=2", "--n_embd=32",
+                "--n_head=2", "--block_size=32", "--batch_size=2", "--eval_iters=1", "--eval_interval=8",
+                "--log_interval=1", *(f"--{k}={v}" for k, v in kw.items()), "--hard_ft_lr=1e-2"])
+    logged = [r["lr"] for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["kind"] == "train"]
+    assert logged == pytest.approx([m.lr_at(it) for it in range(8)])
+
+
 def test_frozen_routers_get_no_update():
     """hard_ft_routers="frozen": in the straight-through phase the routers receive no gradient, so AdamW leaves them
     exactly as they were (no momentum step, no weight decay) while the backbone trains on their hard
@@ -591,14 +607,14 @@ def test_presets():
     assert tsa.PRESETS["classroom"].items() >= common.CLASSROOM.items()
     paper = tsa.Config(**tsa.PRESETS["paper"])  # the paper's sparse-TSA and dropout; our calibrated last 15%
     assert (paper.hard_variant, paper.skip_queries, paper.dropout) == ("01", False, 0.1)
-    assert (paper.hard_ft_iters, paper.hard_ft_routers) == (750, "calibrate")
+    assert (paper.hard_ft_iters, paper.hard_ft_routers, paper.hard_ft_lr) == (750, "calibrate", paper.learning_rate)
     assert (paper.n_layer, paper.n_embd, paper.n_head, paper.batch_size, paper.max_iters) == (6, 256, 8, 64, 5000)
 
 
 def test_bad_config_is_one_line_error():
     for bad in (dict(hard_variant="x"), dict(variant="moe"), dict(lam=-1.0), dict(lam=float("nan")),
                 dict(n_layer=1), dict(threshold=2.0), dict(hard_ft_iters=-1), dict(router_bias=float("inf")),
-                dict(hard_ft_routers="freeze")):
+                dict(hard_ft_routers="freeze"), dict(hard_ft_lr=-1.0), dict(hard_ft_lr=1e-9), dict(hard_ft_lr=float("nan"))):
         with pytest.raises(common.NanorouteError):
             tiny(**bad)
     m = make().eval()
