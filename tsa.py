@@ -32,7 +32,8 @@ Deviations from the paper (Config fields; `--preset paper` sets the paper's valu
     router's b2 is shifted once so that p > 0.5 for the share of tokens its soft gate claims, mean(p_l)
     (eq. 6's term; a soft-trained router at the paper's budget scales tokens by 1 − p but hardly halts
     any), then frozen. Trained routers re-open in the phase and skip almost nothing (issue 12); calibrated,
-    frozen ones execute the savings the soft model reports (results/tsa.md, CPU proxy).
+    frozen ones execute the savings the soft model reports (results/tsa.md, CPU proxy). "soft" is a control:
+    no hard phase at all, only hard_ft_lr's restart (is a gain the hard phase's or the extra step size's?).
   * hard_ft_lr (`--preset paper`: 3e-4, its peak lr; default 0 = off): the phase's lr restarts at hard_ft_lr
     and falls by a cosine to min_lr over the phase. The main schedule's tail (≈4e-5 → 3e-5 there) leaves the
     backbone too little step size to adapt to the hard gates in 15% of the run (results/tsa.md, CPU proxy).
@@ -73,7 +74,7 @@ class Config(common.Config):
     skip_queries: bool = True       # sparse path: halted tokens also skip Q / attention / out-proj
     eval_soft: bool = True          # eval also runs the soft pass (soft_loss next to the hard loss)
     hard_ft_iters: int = 250        # the last iterations train with straight-through hard gates (all if > max_iters)
-    hard_ft_routers: str = "train"  # ... in which the routers "train", stay "frozen", or "calibrate" (docstring)
+    hard_ft_routers: str = "train"  # ... in which the routers "train", stay "frozen", "calibrate" or "soft" (docstring)
     hard_ft_lr: float = 0.0         # > 0: that phase's lr restarts at this value, cosine to min_lr (0: schedule goes on)
     variant: str = "tsa"            # "tsa" | "early_exit" (the §3.5 baseline)
     threshold: float = 1.0          # early exit: exit when max softmax prob > threshold (1.0: never)
@@ -93,8 +94,8 @@ class Config(common.Config):
             raise NanorouteError(f"router_bias must be finite, got {self.router_bias}")
         if not 0.0 <= self.threshold <= 1.0:
             raise NanorouteError(f"threshold must be in [0, 1], got {self.threshold}")
-        if self.hard_ft_routers not in ("train", "frozen", "calibrate"):
-            raise NanorouteError(f"hard_ft_routers must be 'train', 'frozen' or 'calibrate', got {self.hard_ft_routers!r}")
+        if self.hard_ft_routers not in ("train", "frozen", "calibrate", "soft"):
+            raise NanorouteError(f"hard_ft_routers must be 'train', 'frozen', 'calibrate' or 'soft', got {self.hard_ft_routers!r}")
         if self.hard_ft_iters < 0:
             raise NanorouteError(f"hard_ft_iters must be >= 0, got {self.hard_ft_iters}")
         if self.hard_ft_lr and not self.hard_ft_lr >= self.min_lr:  # also refuses nan
@@ -106,8 +107,8 @@ PRESETS = {
     # β=(0.9, 0.95), wd 0.1, cosine; its sparse-TSA (§3.6: "01" gates, dense attention), soft training only.
     # lr, min_lr, dropout and warm-up: the authors' code (see the docstring). Deviation (ours, issue 12): the
     # last 750 iterations straight-through with calibrated, frozen routers and the lr restarted at its peak,
-    # so that sparse inference skips what the soft model claims at the soft model's quality;
-    # --hard_ft_iters=0 is the paper's recipe.
+    # so that sparse inference skips what the soft model claims at the paper's soft model's quality (not at
+    # the quality of a soft model given the same restart: results/tsa.md); --hard_ft_iters=0 is the paper's recipe.
     "paper": dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
                   learning_rate=3e-4, min_lr=3e-5, warmup_iters=0, beta2=0.95, weight_decay=0.1, dropout=0.1,
                   eval_interval=250, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=750,
@@ -160,7 +161,7 @@ class Model(common.LM):
             self.routers = nn.ModuleList([Router(cfg.n_embd) for _ in range(L - 1)])  # r_0..r_{L-2}
         else:  # early exit: exit heads after blocks 0..L-2 (the last exit is the model's own ln_f + head)
             self.exit_ln = nn.ModuleList([nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(L - 1)])
-        if cfg.hard_ft_routers != "train" and cfg.hard_ft_iters and torch.distributed.is_available() \
+        if cfg.hard_ft_routers in ("frozen", "calibrate") and cfg.hard_ft_iters and torch.distributed.is_available() \
                 and torch.distributed.is_initialized():  # DDP needs a gradient for every parameter
             raise NanorouteError(f"hard_ft_routers={cfg.hard_ft_routers} (routers without gradients) is not supported "
                                  "under DDP; run on one process or pass --hard_ft_routers=train")
@@ -174,7 +175,7 @@ class Model(common.LM):
     def on_step(self, it):
         """train.py calls this before every step: switch to straight-through hard gates at the end."""
         start = self.cfg.max_iters - self.cfg.hard_ft_iters
-        self.hard_train = self.cfg.hard_ft_iters > 0 and it >= start
+        self.hard_train = self.cfg.hard_ft_iters > 0 and it >= start and self.cfg.hard_ft_routers != "soft"
         self.calibrate_now = self.hard_train and self.cfg.hard_ft_routers == "calibrate" and it == max(start, 0)
 
     def lr_at(self, it):

@@ -19,11 +19,13 @@
 #   frozen:    routers frozen: only the backbone adapts to their hard decisions
 #   calibrate: frozen, after one shift of each router's bias at the first step so that it halts the share
 #              of tokens its soft gate claims (mean p_l)
+#   soft:      the control, in softlr_sS: no hard phase, only the preset's lr restart for those iterations
+#              (hard_ft_lr), so a gain can be told apart from the extra step size
 set -u
 cd "$(dirname "$0")/.."
 S=${1:?usage: tsa_proxy.sh SEED}
 OUT=${OUT-out/tsa_proxy}
-BRANCHES=${BRANCHES-"calibrate train frozen"}
+BRANCHES=${BRANCHES-"calibrate soft train frozen"}
 N=833; AT=708
 PROXY="--model tsa --dataset shakespeare --preset paper --n_layer=4 --n_head=4 --n_embd=128 --max_iters=$N
        --eval_interval=236 --eval_iters=20 --log_interval=100 --seed=$S"
@@ -41,8 +43,9 @@ fi
 python -c "import torch, sys; assert torch.load(sys.argv[1], weights_only=True)['iter'] == $AT" "$snap/ckpt.pt" || exit 1
 for b in $BRANCHES; do
   d=$OUT/${b}_s$S
+  [ "$b" = soft ] && d=$OUT/softlr_s$S
   [ -f "$d/done" ] && continue
-  echo "== ${b}_s$S $(date -u +%T)"
+  echo "== $(basename "$d") $(date -u +%T)"
   rm -rf "$d" && cp -r "$snap" "$d"
   python train.py $PROXY --hard_ft_iters=$((N - AT)) --hard_ft_routers=$b --out_dir="$d" --resume > "$d.log" 2>&1 &&
     touch "$d/done"

@@ -416,6 +416,9 @@ def test_on_step_hard_phase():
     m = make(max_iters=100, hard_ft_iters=500)  # longer than the run: every iteration is straight-through
     m.on_step(0)
     assert m.hard_train
+    m = make(max_iters=100, hard_ft_iters=10, hard_ft_routers="soft", hard_ft_lr=1e-2)  # the control: lr only
+    m.on_step(95)
+    assert not m.hard_train and m.lr_at(95) > m.cfg.learning_rate
     m2 = make(mixed=True, max_iters=100, hard_ft_iters=10)  # the hard phase's forward == the hard eval forward
     m2.on_step(95)
     m2.train()
