@@ -1,11 +1,18 @@
 """Time of the FFN on M rows (x (M, d) -> W1 -> GELU -> W2, d -> 4d -> d) on one core against M: does skipping rows
 of a small decode batch pay? (results/bench.md, "Why small-batch decode does not follow FLOPs")
   OMP_NUM_THREADS=1 taskset -c 0 python experiments/gemm_rows.py"""
-import time, statistics, torch
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
 torch.set_num_threads(1)
 for d in (256, 640):
     W1, W2 = torch.randn(4 * d, d), torch.randn(d, 4 * d)
-    ffn = lambda x: torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, W1)), W2)
+
+    def ffn(x):
+        return F.linear(F.gelu(F.linear(x, W1)), W2)  # (M, d) -> (M, 4d) -> (M, d)
     base = None
     for M in (1, 2, 4, 6, 8, 16, 64):
         x = torch.randn(M, d)
