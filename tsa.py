@@ -75,7 +75,7 @@ class Config(common.Config):
     eval_soft: bool = True          # eval also runs the soft pass (soft_loss next to the hard loss)
     hard_ft_iters: int = 250        # the last iterations train with straight-through hard gates (all if > max_iters)
     hard_ft_routers: str = "train"  # ... in which the routers "train", stay "frozen", "calibrate" or "soft" (docstring)
-    hard_ft_lr: float = 0.0         # > 0: that phase's lr restarts at this value, cosine to min_lr (0: schedule goes on)
+    hard_ft_lr: float = 0.0         # > 0: that phase's lr restarts here, cosine to min_lr (0: the schedule goes on)
     variant: str = "tsa"            # "tsa" | "early_exit" (the §3.5 baseline)
     threshold: float = 1.0          # early exit: exit when max softmax prob > threshold (1.0: never)
     model: str = "tsa"
@@ -95,7 +95,8 @@ class Config(common.Config):
         if not 0.0 <= self.threshold <= 1.0:
             raise NanorouteError(f"threshold must be in [0, 1], got {self.threshold}")
         if self.hard_ft_routers not in ("train", "frozen", "calibrate", "soft"):
-            raise NanorouteError(f"hard_ft_routers must be 'train', 'frozen', 'calibrate' or 'soft', got {self.hard_ft_routers!r}")
+            raise NanorouteError("hard_ft_routers must be 'train', 'frozen', 'calibrate' or 'soft', "
+                                 f"got {self.hard_ft_routers!r}")
         if self.hard_ft_iters < 0:
             raise NanorouteError(f"hard_ft_iters must be >= 0, got {self.hard_ft_iters}")
         if self.hard_ft_lr and not self.hard_ft_lr >= self.min_lr:  # also refuses nan

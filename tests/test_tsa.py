@@ -617,7 +617,8 @@ def test_presets():
 def test_bad_config_is_one_line_error():
     for bad in (dict(hard_variant="x"), dict(variant="moe"), dict(lam=-1.0), dict(lam=float("nan")),
                 dict(n_layer=1), dict(threshold=2.0), dict(hard_ft_iters=-1), dict(router_bias=float("inf")),
-                dict(hard_ft_routers="freeze"), dict(hard_ft_lr=-1.0), dict(hard_ft_lr=1e-9), dict(hard_ft_lr=float("nan"))):
+                dict(hard_ft_routers="freeze"), dict(hard_ft_lr=-1.0), dict(hard_ft_lr=1e-9),
+                dict(hard_ft_lr=float("nan"))):
         with pytest.raises(common.NanorouteError):
             tiny(**bad)
     m = make().eval()
