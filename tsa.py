@@ -109,7 +109,8 @@ PRESETS = {
     # lr, min_lr, dropout and warm-up: the authors' code (see the docstring). Deviation (ours, issue 12): the
     # last 750 iterations straight-through with calibrated, frozen routers and the lr restarted at its peak,
     # so that sparse inference skips what the soft model claims at the paper's soft model's quality (not at
-    # the quality of a soft model given the same restart: results/tsa.md); --hard_ft_iters=0 is the paper's recipe.
+    # the quality of a soft model given the same restart: results/tsa.md); --hard_ft_iters=0 is the paper's
+    # recipe.
     "paper": dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
                   learning_rate=3e-4, min_lr=3e-5, warmup_iters=0, beta2=0.95, weight_decay=0.1, dropout=0.1,
                   eval_interval=250, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=750,
