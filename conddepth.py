@@ -148,7 +148,8 @@ class CheapFFN(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.ln = nn.LayerNorm(cfg.n_embd)                           # its own LN, not shared with LN2
-        self.up, self.down = nn.Linear(cfg.n_embd, cfg.cheap_rank), nn.Linear(cfg.cheap_rank, cfg.n_embd)
+        self.up = nn.Linear(cfg.n_embd, cfg.cheap_rank)
+        self.down = nn.Linear(cfg.cheap_rank, cfg.n_embd)
 
     def forward(self, a):
         return self.down(F.silu(self.up(self.ln(a))))
@@ -221,7 +222,8 @@ def derangement(n, device):
 
 def windowed_ce(ce, W, gamma):
     """eq. (16): C̃E_t = Σ_{δ<W} γ^δ CE_{t+δ}; (N, T) -> (N, T), positions past T contribute 0."""
-    padded, T = F.pad(ce, (0, W - 1)), ce.size(1)
+    T = ce.size(1)
+    padded = F.pad(ce, (0, W - 1))
     return sum(gamma ** d * padded[:, d:d + T] for d in range(W))
 
 
