@@ -11,7 +11,10 @@ order that rotates from repeat to repeat; its speed-up is the per-repeat ratio d
 and the table gives the median and the interquartile range of those ratios (and the ratio of the minimum
 times), the FLOPs-ideal speed-up (tsa.flops_per_token at the measured hard α) and the fraction of the ideal
 gain, (measured − 1)/(ideal − 1), of the median. `--against OLD_TSA.py` times an older tsa.py's sparse paths
-in the same process (a before/after comparison).
+in the same process (a before/after comparison). `--compile` adds torch.compile (inductor) variants, each
+against the compiled dense GPT (`dense_c`): `c_query`, the whole TSA model compiled (dynamic shapes; dynamo
+breaks the graph at each routed block's host sync), and `cffn_query`, eager TSA whose routed blocks' FFN
+(ln_2 → MLP, on the gathered active rows) is compiled alone. A warm-up round compiles every variant first.
 Decode: prefill(T0 = T/2 tokens) + T/2 steps, TSA (its real routers, biases set so that a share α of the
 tokens of a calibration batch is active; the decode's own α is printed) vs the dense GPT's cache
 (common.Model.prefill/step), timed the same way.
@@ -72,6 +75,7 @@ def main():
     ap.add_argument("--decode", default="1,8", help="batch sizes of the decode rows ('' for none)")
     ap.add_argument("--decode_repeats", type=int, default=10)
     ap.add_argument("--against", default="", help="an older tsa.py to time in the same process")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile variants (forward only)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     T, kw = a.T, dict(n_layer=6, n_head=8, n_embd=256, vocab_size=65, block_size=a.T)
@@ -81,6 +85,12 @@ def main():
     if a.against:
         models["old_"] = build(load_tsa(a.against), dense, kw)
         models["old_"].load_state_dict(models[""].state_dict())  # the same routers too
+    if a.compile:
+        models["cffn_"] = build(tsa, dense, kw)
+        models["cffn_"].load_state_dict(models[""].state_dict())
+        for block in models["cffn_"].blocks[1:]:  # only the FFN on the gathered rows: no host sync inside
+            block.ffn_delta = torch.compile(block.ffn_delta, dynamic=True)
+        dense_c, tsa_c = torch.compile(dense), torch.compile(models[""], dynamic=True)
     cfg = models[""].cfg
     batches = [int(b) for b in a.batches.split(",") if b]
     reps = [int(r) for r in a.repeats.split(",")]
@@ -94,20 +104,32 @@ def main():
         x = torch.randint(0, 65, (B, T), generator=torch.Generator().manual_seed(1))
 
         def sparse(m, skip):
-            m.cfg.skip_queries = skip
+            getattr(m, "_orig_mod", m).cfg.skip_queries = skip  # (a compiled model wraps the TSA model)
             return m(x, sparse=True)
         fns = {"dense": lambda: dense(x)}
         for pre, m in models.items():
-            fns.update({pre + "ffn": lambda m=m: sparse(m, False), pre + "query": lambda m=m: sparse(m, True)})
+            if pre != "cffn_":
+                fns[pre + "ffn"] = lambda m=m: sparse(m, False)
+            fns[pre + "query"] = lambda m=m: sparse(m, True)
+        if a.compile:
+            fns.update(dense_c=lambda: dense_c(x), c_query=lambda: sparse(tsa_c, True))
         ts = timed(fns, R)
         alpha = models[""](x)[2]["alpha_hard"].item()
         for k in fns:
             if k == "dense":
                 continue
+            if k == "dense_c":  # what compiling buys the dense GPT itself
+                med, (q1, q3), _ = speedups(ts, "dense", k)
+                print(f"forward B={B:3d} dense GPT compiled  {1e3 * statistics.median(ts[k]):8.1f} ms (dense "
+                      f"{1e3 * statistics.median(ts['dense']):8.1f}) speed-up median {med:.3f} "
+                      f"IQR {q1:.3f}–{q3:.3f} n={R}")
+                continue
+            base = "dense_c" if k.startswith("c") else "dense"  # compiled variants against the compiled dense GPT
             ideal = common.dense_flops_per_token(cfg, T) / tsa.flops_per_token(cfg, T, alpha, k.split("_")[-1])
-            med, (q1, q3), s_min = speedups(ts, "dense", k)
-            print(f"forward B={B:3d} α={alpha:.3f} sparse_{k:9s} {1e3 * statistics.median(ts[k]):8.1f} ms "
-                  f"(dense {1e3 * statistics.median(ts['dense']):8.1f}) speed-up median {med:.3f} IQR {q1:.3f}–{q3:.3f} "
+            med, (q1, q3), s_min = speedups(ts, base, k)
+            print(f"forward B={B:3d} α={alpha:.3f} sparse_{k:10s} {1e3 * statistics.median(ts[k]):8.1f} ms "
+                  f"({base} {1e3 * statistics.median(ts[base]):8.1f}) speed-up median {med:.3f} "
+                  f"IQR {q1:.3f}–{q3:.3f} "
                   f"min-ratio {s_min:.3f} ideal {ideal:.3f} frac of ideal gain {(med - 1) / (ideal - 1):.2f} "
                   f"(IQR {(q1 - 1) / (ideal - 1):.2f}–{(q3 - 1) / (ideal - 1):.2f}) n={R}", flush=True)
     for m in models.values():  # decode: the real routers, each bias set so that a share α of x's tokens is active
@@ -131,7 +153,7 @@ def main():
             for t in range(T0, T):
                 logits, state = m.step(x[:, t:t + 1], state)
         fns = {"dense": lambda: decode(dense)}
-        fns.update({pre + "tsa": lambda m=m: decode(m) for pre, m in models.items()})
+        fns.update({pre + "tsa": lambda m=m: decode(m) for pre, m in models.items() if pre != "cffn_"})
         ts = timed(fns, a.decode_repeats)
         with torch.no_grad():
             alpha = models[""](x)[2]["alpha_hard"].item()
