@@ -29,6 +29,7 @@ import requests
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class NanorouteError(Exception):
@@ -379,12 +380,13 @@ class Block(nn.Module):
         x = x + self.attn.c_proj(self.attn.attend(q, k, v)).to(x.dtype)
         return x + self.ffn_delta(x).to(x.dtype), cache
 
-    def step(self, x, cache, pos):
-        """One new token x (B, 1, C) at position pos against the cache of its past."""
+    def step(self, x, cache, pos, mask):
+        """One new token x (B, 1, C) at position pos (0-d tensor) against the cache of its past; mask =
+        past_mask(pos, block_size, dtype), made once per step for every layer."""
         q, k, v = self.attn.qkv(self.ln_1(x))  # 3 × (B, nh, 1, hs)
-        k, v = cache.append(pos, k, v)        # (B, nh, pos + 1, hs)
-        x = x + self.attn.c_proj(self.attn.attend(q, k, v, causal=False)).to(x.dtype)
-        return x + self.ffn_delta(x).to(x.dtype)
+        k, v = cache.append(pos, k, v)        # (B, nh, S, hs)
+        x = x + self.attn.c_proj(self.attn.attend(q, k, v, attn_mask=mask))  # fp32 + bf16 promotes: no cast op
+        return x + self.ffn_delta(x)
 
 
 class LM(nn.Module):
@@ -490,7 +492,7 @@ class Model(LM):
         logits, loss = self.head(x, targets)
         return logits, loss, ({"lm_loss": loss.detach()} if loss is not None else {})
 
-    # Cached decoding: per layer K, V preallocated to block_size; state = (caches, position).
+    # Cached decoding: per layer K, V preallocated to block_size; state = (caches, position as a 0-d tensor).
 
     @torch.no_grad()
     def prefill(self, idx):
@@ -498,31 +500,45 @@ class Model(LM):
         for block in self.blocks:
             x, cache = block.prefill(x, self.cfg.block_size)
             caches.append(cache)
-        return self.head(x[:, -1:])[0][:, -1], (caches, idx.size(1))
+        return self.head(x[:, -1:])[0][:, -1], (caches, torch.tensor(idx.size(1), device=idx.device))
 
     @torch.no_grad()
     def step(self, tok, state):
         caches, pos = state
-        x = self.wte(tok) + self.wpe.weight[pos]  # (B, 1, C)
+        x = self.wte(tok) + self.wpe(pos)  # (B, 1, C)
+        mask = past_mask(pos, self.cfg.block_size, caches[0].k.dtype)  # (1, S)
         for block, cache in zip(self.blocks, caches):
-            x = block.step(x, cache, pos)
+            x = block.step(x, cache, pos, mask)
         return self.head(x)[0][:, -1], (caches, pos + 1)
 
 
 class KVCache:
     """K, V of one layer, preallocated to block_size positions (no growth by torch.cat); typed from the
-    first K/V it holds (bf16 under autocast, see the numerics policy)."""
+    first K/V it holds (bf16 under autocast, see the numerics policy). A decode step writes at a position
+    held in a tensor and reads the whole buffer under a mask (`past_mask`), so its shapes never change from
+    token to token and torch.compile(mode="reduce-overhead") can capture it as one CUDA graph."""
 
     def __init__(self, B, block_size, k, v):
         nh, T, hs = k.shape[1:]
         self.k = k.new_zeros(B, nh, block_size, hs)  # (B, nh, S, hs)
         self.v = v.new_zeros(B, nh, block_size, hs)
         self.k[:, :, :T], self.v[:, :, :T] = k, v
+        for t in (self.k, self.v):  # written in place by a captured step: CUDA graphs need a fixed address
+            torch._dynamo.mark_static_address(t)
 
     def append(self, pos, k, v):
-        """Write the K/V of position pos (B, nh, 1, hs); return the K/V of positions 0..pos."""
-        self.k[:, :, pos:pos + 1], self.v[:, :, pos:pos + 1] = k, v
-        return self.k[:, :, :pos + 1], self.v[:, :, :pos + 1]
+        """Write the K/V of position pos (a 0-d long tensor) (B, nh, 1, hs); return the whole buffers
+        (B, nh, S, hs): positions after pos hold stale values that past_mask(pos) hides."""
+        self.k.index_copy_(2, pos.view(1), k)
+        self.v.index_copy_(2, pos.view(1), v)
+        return self.k, self.v
+
+
+def past_mask(pos, S, dtype):
+    """(1, S) additive mask in the cache's dtype, 0 at positions 0..pos (a 0-d tensor), -inf after: what a
+    decode step at pos may attend to. Made once per step; a bool mask would be converted in every layer."""
+    future = torch.arange(S, device=pos.device) > pos  # (S,)
+    return torch.zeros(1, S, dtype=dtype, device=pos.device).masked_fill_(future, float("-inf"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -593,6 +609,38 @@ def autocast(device, dtype=None):
     if dtype == "fp32":
         return nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops a call dispatches: at this project's sizes a GPU is bound by how many ops the host
+    launches (~30 µs each), not by FLOPs, and the count is the same on every device. Views and other
+    metadata-only ops launch no kernel and are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func in METADATA_OPS):
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self):
+        return sum(self.ops.values())
+
+
+METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.sym_size.int,
+                torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default, torch.ops.aten.dim.default,
+                torch.ops.aten.is_contiguous.default}
+
+
+def count_ops(fn, *args, **kwargs):
+    """Ops dispatched by one call of fn(*args, **kwargs): (total, {op name: count})."""
+    with OpCounter() as c:
+        fn(*args, **kwargs)
+    return c.total, c.ops
 
 
 def sync(device):

@@ -1,14 +1,21 @@
 """
-One table for all four routers, against dense GPTs of matched inference cost (issue #7).
+One table for all four routers, against dense GPTs of matched inference cost (results/compare.md).
 
-  python experiments/compare.py                  # train what is missing, measure, write results/compare.md
-  python experiments/compare.py --table-only     # rebuild the table from the JSON records
+  python experiments/compare.py --jobs 2                          # CPU budget: train what is missing, measure
+  python experiments/compare.py --budget gpu --jobs 6 --device cuda  # GPU budget, one GPU, ~7 minutes on an H100
+  python experiments/compare.py --table-only                      # rebuild the CPU table from its JSON records
 
-Every run trains with train.py on shakespeare at one preset and budget (BASE below), 2 seeds. Finished runs
-are not redone (out/compare/<run>/ckpt.pt at max_iters); an interrupted one resumes with --resume. Each run's
-measurements are written to results/compare/<run>.json; the table and the picture are built only from those
-files. Inference FLOPs ratios use common.py's accounting with the hard routing decisions taken on the val set;
+Every run trains with train.py on shakespeare at one preset and budget (BUDGETS below), 2 seeds, `--jobs`
+training processes at a time; a run that starts from another run's checkpoint (init_from) waits for it.
+Finished runs are not redone (out/compare<_budget>/<run>/ckpt.pt at max_iters); an interrupted one resumes
+with --resume. When every training has finished, each run is measured (one at a time, nothing else of ours
+running) into results/compare<_budget>/<run>-s<seed>.json; the tables are built only from those files.
+Inference FLOPs ratios use common.py's accounting with the hard routing decisions taken on the val set;
 wall-clock ratios time the model's sparse path against the dense reference GPT in the same process.
+
+A run that starts from a checkpoint has had more training than the dense line; its verdict is taken twice:
+against the dense line (the extra steps named), and against its control, the same checkpoint trained on
+as a dense GPT for the same steps with the same flags (equal training), seed by seed.
 """
 import argparse
 import dataclasses
@@ -20,14 +27,17 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # the model files, not this folder's scripts of the same names
 
-# 2400 iterations × 8 × 256 ≈ 4.9M tokens: 4× the first table's budget (results/compare_600it.md), where the
-# dense line had not converged (issue 12 item 5).
+# cpu: 2400 iterations × 8 × 256 ≈ 4.9M tokens. gpu: 2000 × 24 × 256 ≈ 12.3M tokens (what the H100 ran).
+# 600it: the first, unconverged budget (1.2M tokens); its records are kept for the table only.
 BASE = dict(dataset="shakespeare", n_layer=6, n_head=4, n_embd=128, block_size=256, batch_size=8,
             max_iters=2400, warmup_iters=100, eval_interval=400, eval_iters=20, learning_rate=2e-3)
+BUDGETS = {"cpu": BASE, "gpu": {**BASE, "max_iters": 2000, "batch_size": 24},
+           "600it": {**BASE, "max_iters": 600, "warmup_iters": 60, "eval_interval": 200}}
 REF = "gpt-L6"  # the dense reference every ratio is taken against
 RUNS = {  # name -> (model, flags): dense line first, then two operating points per router
     "gpt-L6": ("gpt", {}),
@@ -40,12 +50,14 @@ RUNS = {  # name -> (model, flags): dense line first, then two operating points 
     "dtrnet-lam8e-2": ("dtrnet", {"lam": 8e-2, "layers": "bilayer"}),
     "hybrid-bal0.01": ("hybrid", {"pattern": "G R R R R S", "balance": 0.01}),
     "hybrid-bal0.5": ("hybrid", {"pattern": "G R R R R S", "balance": 0.5}),
-    # fine-tuned from the trained dense 6-layer run (its final checkpoint), so they train last; backbone
-    # trained too: controller-only cannot end better than its dense start (results/conddepth.md, issue 12)
+    # fine-tuned from the trained dense 6-layer run (its final checkpoint), backbone trained too:
+    # controller-only cannot end better than its dense start (results/conddepth.md)
     "conddepth-rho0.5": ("conddepth", {"rho": 0.5, "init_from": "{gpt-L6}", "max_iters": 800, "learning_rate": 1e-3,
                                        "controller_only": False}),
     "conddepth-rho0.25": ("conddepth", {"rho": 0.25, "init_from": "{gpt-L6}", "max_iters": 800, "learning_rate": 1e-3,
                                         "controller_only": False}),
+    # the control of both: the same dense checkpoint trained on for the same steps with the same flags
+    "gpt-L6-ft": ("gpt", {"init_from": "{gpt-L6}", "max_iters": 800, "learning_rate": 1e-3}),
 }
 SEEDS = (1, 2)
 QUICK = dict(max_iters=6, eval_interval=6, eval_iters=2, warmup_iters=2)  # --quick: a smoke run of the pipeline
@@ -55,13 +67,19 @@ def run_dir(out, name, seed):
     return os.path.join(out, f"{name}-s{seed}")
 
 
-def train(name, seed, out, quick=False):
+def parent(name):
+    """The run whose final checkpoint this run starts from (None: trained from scratch)."""
+    init = RUNS.get(name, ("", {}))[1].get("init_from")
+    return init.strip("{}") if init else None
+
+
+def train(name, seed, out, base, quick=False, device="auto"):
     """Train one run unless its checkpoint already reached max_iters; resume a partial one."""
     model, flags = RUNS[name]
     d = run_dir(out, name, seed)
-    flags = {**BASE, **flags, "seed": seed, "out_dir": d, **(QUICK if quick else {})}
-    if "init_from" in flags:
-        flags["init_from"] = os.path.join(run_dir(out, flags["init_from"].strip("{}"), seed), "ckpt.pt")
+    flags = {**base, **flags, "seed": seed, "out_dir": d, "device": device, **(QUICK if quick else {})}
+    if parent(name):
+        flags["init_from"] = os.path.join(run_dir(out, parent(name), seed), "ckpt.pt")
     ckpt = os.path.join(d, "ckpt.pt")
     if os.path.exists(ckpt):
         import common
@@ -75,13 +93,32 @@ def train(name, seed, out, quick=False):
     return d
 
 
+def schedule(tasks, deps, work, jobs):
+    """Run work(task) for every task, at most `jobs` at a time; a task starts only once every task in
+    deps[task] that is also in `tasks` has finished. Returns the tasks in the order they finished; the first
+    failure stops new starts and is raised (after the running ones end)."""
+    pending, running, done = list(tasks), {}, []
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        while pending or running:
+            ready = [t for t in pending if all(d in done or d not in tasks for d in deps.get(t, ()))]
+            for t in ready[:max(1, jobs) - len(running)]:
+                pending.remove(t)
+                running[pool.submit(work, t)] = t
+            if not running:
+                raise ValueError(f"circular dependencies among {pending}")
+            for f in wait(running, return_when=FIRST_COMPLETED)[0]:
+                t = running.pop(f)
+                f.result()
+                done.append(t)
+    return done
+
+
 # ----------------------------------------------------------------------------------------------------
 # measurements of one trained run
 
-def load(d, block_size=None):
+def load(d, block_size=None, device="cpu"):
     """The trained model of run dir d; block_size > trained: positions tiled (for long-context timing)."""
     import common
-    import torch
     ckpt = common.load_checkpoint(os.path.join(d, "ckpt.pt"))
     module = importlib.import_module({"gpt": "common", "hybrid": "hybrid_attn"}.get(ckpt["config"]["model"],
                                                                                     ckpt["config"]["model"]))
@@ -93,7 +130,7 @@ def load(d, block_size=None):
         cfg = dataclasses.replace(cfg, block_size=block_size)
     model = module.Model(cfg)
     model.load_state_dict(state)
-    return model.eval(), cfg, module
+    return model.to(device).eval(), cfg, module
 
 
 def inference_flops(model_name, module, cfg, ev, T):
@@ -130,16 +167,16 @@ def memory_bytes(model_name, cfg, ev, T=1024, bytes_per=4):
     return cfg.n_layer * kv
 
 
-def measure(name, d, ref_dir, repeats):
+def measure(name, d, ref_dir, repeats, device):
     import bench
     import common
     import torch
     model_name = RUNS[name][0]
-    model, cfg, module = load(d)
-    ref, ref_cfg, _ = load(ref_dir)
+    model, cfg, module = load(d, device=device)
+    ref, ref_cfg, _ = load(ref_dir, device=device)
     meta = common.load_meta(cfg.dataset, cfg.data_dir)
     val = common.load_split(cfg.dataset, "val", cfg.data_dir)
-    ev = common.estimate_loss(model, val, meta, cfg, torch.device("cpu"), "val")
+    ev = common.estimate_loss(model, val, meta, cfg, device, "val")
     T = cfg.block_size
     rec = {"run": name, "model": model_name, "seed": cfg.seed, "params": model.num_params(),
            "val_loss": ev["loss"], "val_bpc": ev.get("bpc"), "iters": cfg.max_iters,
@@ -147,28 +184,33 @@ def measure(name, d, ref_dir, repeats):
            "flops_ratio": inference_flops(model_name, module, cfg, ev, T) / common.dense_flops_per_token(ref_cfg, T),
            "kv_bytes_1024": memory_bytes(model_name, cfg, ev),
            "kv_ratio_1024": memory_bytes(model_name, cfg, ev) / memory_bytes("gpt", ref_cfg, {}),
-           "stats": ev}
-    cpu = torch.device("cpu")
+           "device": device.type, "stats": ev}
     sparse = {} if model_name == "gpt" else {"sparse": True}
     for label, Tm in (("T256", 256), ("T1024", 1024)):
-        m, _, _ = load(d, Tm) if Tm > T else (model, cfg, None)
-        r, _, _ = load(ref_dir, Tm) if Tm > T else (ref, ref_cfg, None)
-        x = torch.from_numpy(val[:8 * Tm].astype("int64")).view(8, Tm) if len(val) >= 8 * Tm else None
-        t = bench.timeit({"model": bench.forward(m, x, **sparse), "ref": bench.forward(r, x)}, cpu, repeats)
+        m, _, _ = load(d, Tm, device) if Tm > T else (model, cfg, None)
+        r, _, _ = load(ref_dir, Tm, device) if Tm > T else (ref, ref_cfg, None)
+        x = torch.from_numpy(val[:8 * Tm].astype("int64")).view(8, Tm).to(device)
+        t = bench.timeit({"model": bench.forward(m, x, **sparse), "ref": bench.forward(r, x)}, device, repeats)
         rec[f"speedup_{label}"] = t["ref"] / t["model"]
-    x, y = bench.batch(cfg, 8, T, cpu)
+    x, y = bench.batch(cfg, 8, T, device)
     model.train(); ref.train()
-    t = bench.timeit({"model": bench.train_step(model, x, y, cpu), "ref": bench.train_step(ref, x, y, cpu)},
-                     cpu, max(3, repeats // 2))
+    t = bench.timeit({"model": bench.train_step(model, x, y, device), "ref": bench.train_step(ref, x, y, device)},
+                     device, max(3, repeats // 2))
     rec["train_step_ratio"] = t["model"] / t["ref"]
     return rec
 
 
 # ----------------------------------------------------------------------------------------------------
-# the table (pure functions of the records: tested in tests/test_compare.py)
+# the tables (pure functions of the records: tested in tests/test_compare.py)
+
+def md_table(rows, cols):
+    """A markdown table: cols are the header cells, rows lists of cells (any value; str() is taken)."""
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows]) + "\n"
+
 
 def group(records):
-    """run name -> list of records (one per seed), dense runs first, in RUNS order where known."""
+    """run name -> list of records (one per seed), in RUNS order where known (dense line first)."""
     out = {}
     for r in records:
         out.setdefault(r["run"], []).append(r)
@@ -183,10 +225,16 @@ def mean_sd(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def on_line(name, rs):
+    """Dense runs trained from scratch make the dense line; a dense run trained on from a checkpoint (a control)
+    has had more training and does not."""
+    return rs[0]["model"] == "gpt" and parent(name) is None
+
+
 def dense_line(groups):
     """(flops_ratio, val_loss) of the dense runs' means, sorted by FLOPs: the matched-cost reference."""
     pts = [(mean_sd([r["flops_ratio"] for r in rs])[0], mean_sd([r["val_loss"] for r in rs])[0])
-           for rs in groups.values() if rs[0]["model"] == "gpt"]
+           for name, rs in groups.items() if on_line(name, rs)]
     return sorted(pts)
 
 
@@ -208,26 +256,56 @@ def verdict(loss, sd, line_loss):
     return "on the dense line (within seed spread)"
 
 
+def control_of(name):
+    """The equal-training control of a run that starts from a checkpoint: the dense run trained on from the same
+    checkpoint for the same steps. None for runs trained from scratch and for the control itself."""
+    model, flags = RUNS.get(name, ("", {}))
+    if model == "gpt" or not parent(name):
+        return None
+    return next((n for n, (m, f) in RUNS.items() if m == "gpt" and parent(n) == parent(name)
+                 and f.get("max_iters") == flags.get("max_iters")), None)
+
+
+def control_verdict(rs, controls):
+    """Paired by seed: the mean ± sd of (run − control) val loss, and what it says (sd: the seed spread)."""
+    ctl = {r["seed"]: r["val_loss"] for r in controls}
+    diffs = [r["val_loss"] - ctl[r["seed"]] for r in rs if r["seed"] in ctl]
+    if not diffs:
+        return "control not run"
+    d, sd = mean_sd(diffs)
+    word = ("better than its control" if d + sd < 0 else "worse than its control" if d - sd > 0
+            else "level with its control (within seed spread)")
+    return f"{word} ({d:+.3f} ± {sd:.3f})"
+
+
+COLS = ["run", "seeds", "params", "val loss", "training-mode val", "bpc", "FLOPs ratio", "dense line at that FLOPs",
+        "vs dense line", "vs its control (equal training)", "speedup T=256", "speedup T=1024", "KV/state @1024",
+        "train step ratio"]
+
+
 def table(records):
     groups = group(records)
     line = dense_line(groups)
-    cols = ["run", "seeds", "params", "val loss", "training-mode val", "bpc", "FLOPs ratio", "dense line at that FLOPs",
-            "verdict", "speedup T=256", "speedup T=1024", "KV/state @1024", "train step ratio"]
-    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     fmt = lambda m, s, p=3: "–" if m is None else f"{m:.{p}f} ± {s:.{p}f}"
+    col = lambda rs, k, p=2: fmt(*mean_sd([r.get(k) for r in rs]), p)
+    rows = []
     for name, rs in groups.items():
         loss, sd = mean_sd([r["val_loss"] for r in rs])
-        flops = mean_sd([r["flops_ratio"] for r in rs])
-        at = dense_loss_at(line, flops[0])
-        dense = rs[0]["model"] == "gpt"
-        rows.append("| " + " | ".join([
-            name, ",".join(str(r["seed"]) for r in rs), f"{rs[0]['params'] / 1e6:.2f}M", fmt(loss, sd),
-            fmt(*mean_sd([r.get("val_soft_loss") for r in rs])), fmt(*mean_sd([r.get("val_bpc") for r in rs])), fmt(*flops, 2),
-            "–" if at is None or dense else f"{at:.3f}", "dense" if dense else verdict(loss, sd, at),
-            fmt(*mean_sd([r["speedup_T256"] for r in rs]), 2), fmt(*mean_sd([r["speedup_T1024"] for r in rs]), 2),
-            fmt(*mean_sd([r["kv_ratio_1024"] for r in rs]), 2), fmt(*mean_sd([r["train_step_ratio"] for r in rs]), 2),
-        ]) + " |")
-    return "\n".join(rows) + "\n"
+        flops = mean_sd([r["flops_ratio"] for r in rs])[0]
+        at = dense_loss_at(line, flops)
+        vs_line, vs_control = "dense", "–"
+        if not on_line(name, rs):
+            vs_line = verdict(loss, sd, at) + (f" (with {rs[0]['iters']} more steps)" if parent(name) else "")
+            if control_of(name):
+                vs_control = control_verdict(rs, groups.get(control_of(name), []))
+            elif rs[0]["model"] == "gpt" and parent(name):
+                vs_control = "the control"
+        rows.append([name, ",".join(str(r["seed"]) for r in rs), f"{rs[0]['params'] / 1e6:.2f}M", fmt(loss, sd),
+                     col(rs, "val_soft_loss", 3), col(rs, "val_bpc", 3), col(rs, "flops_ratio"),
+                     "–" if at is None or on_line(name, rs) else f"{at:.3f}", vs_line, vs_control,
+                     col(rs, "speedup_T256"), col(rs, "speedup_T1024"), col(rs, "kv_ratio_1024"),
+                     col(rs, "train_step_ratio")])
+    return md_table(rows, COLS)
 
 
 def plot(records, path):
@@ -243,7 +321,7 @@ def plot(records, path):
     line = dense_line(groups)
     ax.plot([f for f, _ in line], [l for _, l in line], "k-o", label="dense GPTs (matched cost)")
     for name, rs in groups.items():
-        if rs[0]["model"] != "gpt":
+        if not on_line(name, rs):
             ax.scatter([r["flops_ratio"] for r in rs], [r["val_loss"] for r in rs], label=name)
     ax.set_xlabel("inference FLOPs / dense 6-layer GPT")
     ax.set_ylabel("val loss (shakespeare, chars)")
@@ -254,48 +332,91 @@ def plot(records, path):
     return path
 
 
+def write_section(md, key, text, title="# All four routers vs dense GPTs of matched cost\n"):
+    """Replace the section between <!-- key --> and <!-- /key --> of the page md (append it if absent), so
+    that each budget's command rewrites its own table and leaves the rest of the page as it is."""
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    page = open(md).read() if os.path.exists(md) else title
+    block = f"{start}\n{text.rstrip()}\n{end}\n"
+    if start in page:
+        head, rest = page.split(start, 1)
+        page = head + block + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        page = page.rstrip("\n") + "\n\n" + block
+    with open(md + ".tmp", "w") as f:
+        f.write(page)
+    os.replace(md + ".tmp", md)
+
+
+def section(budget, records, rec_dir, png):
+    base = BUDGETS[budget]
+    tokens = base["max_iters"] * base["batch_size"] * base["block_size"]
+    done = {(r["run"], r["seed"]) for r in records}
+    missing = [f"{n} seed {sd}" for sd in SEEDS for n in RUNS if (n, sd) not in done]
+    flag = "" if budget == "cpu" else f" --budget {budget}"
+    text = (f"## `--budget {budget}`: {base['max_iters']} × {base['batch_size']} × {base['block_size']} tokens "
+            f"({tokens / 1e6:.1f}M) per run\n\n"
+            f"From {len(records)} JSON records in results/{os.path.basename(rec_dir)}/; preset {json.dumps(base)}; "
+            f"seeds {sorted({r['seed'] for r in records})}; mean ± sd over seeds (± 0.000: one seed). "
+            f"Not run: {', '.join(missing) or 'none'}.\n\n"
+            f"`python experiments/compare.py{flag} --table-only`\n\n" + table(records))
+    if png:
+        text += f"\n`python experiments/compare.py{flag} --table-only` (with matplotlib installed)\n\n" \
+                f"![val loss vs inference FLOPs]({os.path.basename(png)})\n"
+    return text
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(ROOT, "out", "compare"))
+    p.add_argument("--budget", default="cpu", choices=list(BUDGETS), help="cpu: 4.9M tokens per run; gpu: 12.3M")
+    p.add_argument("--jobs", type=int, default=1, help="training processes at a time (CPU: one per core, with "
+                   "OMP_NUM_THREADS=1; one H100 ran 6)")
+    p.add_argument("--device", default="auto", help="passed to train.py and used for the measurements")
+    p.add_argument("--out", default=None, help="run dirs (default out/compare<_budget>)")
     p.add_argument("--results", default=os.path.join(ROOT, "results"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--table-only", action="store_true")
     p.add_argument("--runs", default="", help="comma-separated subset of run names")
-    p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="e.g. 1 or 2: one process per seed fills both cores")
-    p.add_argument("--quick", action="store_true", help="a few iterations per run: checks the pipeline only")
+    p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="e.g. 1 or 1,2")
+    p.add_argument("--quick", action="store_true", help="a few iterations per run, records and table under "
+                   "--out: checks the pipeline only")
     args = p.parse_args(argv)
-    rec_dir = os.path.join(args.results, "compare")
+    suffix = "" if args.budget == "cpu" else f"_{args.budget}"
+    out = args.out or os.path.join(ROOT, "out", "compare" + suffix + ("_quick" if args.quick else ""))
+    results = os.path.join(out, "results") if args.quick else args.results
+    rec_dir = os.path.join(results, "compare" + suffix)
     os.makedirs(rec_dir, exist_ok=True)
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     names = args.runs.split(",") if args.runs else list(RUNS)
     if not args.table_only:
-        for seed in map(int, args.seeds.split(",")):
-            train(REF, seed, args.out, args.quick)
-            for name in names:
-                path = os.path.join(rec_dir, f"{name}-s{seed}.json")
-                if os.path.exists(path):
-                    continue  # finished and measured: not redone
-                d = train(name, seed, args.out, args.quick)
-                rec = measure(name, d, run_dir(args.out, REF, seed), args.repeats)
-                rec["command"] = f"python experiments/compare.py (run {name}, seed {seed})"
-                with open(path + ".tmp", "w") as f:
-                    json.dump(rec, f, indent=1)
-                os.replace(path + ".tmp", path)
-                print(f"{name} seed {seed}: val {rec['val_loss']:.4f}, FLOPs ratio {rec['flops_ratio']:.3f}", flush=True)
+        import bench
+        import common
+        device = common.pick_device(args.device)
+        if args.quick:
+            bench.MIN_SECONDS, args.repeats = 0.0, 1
+        seeds = [int(s) for s in args.seeds.split(",")]
+        todo = [(n, s) for s in seeds for n in names if not os.path.exists(os.path.join(rec_dir, f"{n}-s{s}.json"))]
+        tasks = {(REF, s) for _, s in todo}  # every measurement needs the reference; every run its parent
+        for n, s in todo:
+            while n:
+                tasks.add((n, s))
+                n = parent(n)
+        tasks = sorted(tasks, key=lambda t: (t[1], list(RUNS).index(t[0])))
+        deps = {(n, s): [(parent(n), s)] for n, s in tasks if parent(n)}
+        schedule(tasks, deps, lambda t: train(*t, out, BUDGETS[args.budget], args.quick, str(device)), args.jobs)
+        for name, seed in todo:  # measured one at a time, after every training has ended
+            rec = measure(name, run_dir(out, name, seed), run_dir(out, REF, seed), args.repeats, device)
+            rec["command"] = f"python experiments/compare.py --budget {args.budget} (run {name}, seed {seed})"
+            path = os.path.join(rec_dir, f"{name}-s{seed}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(rec, f, indent=1)
+            os.replace(path + ".tmp", path)
+            print(f"{name} seed {seed}: val {rec['val_loss']:.4f}, FLOPs ratio {rec['flops_ratio']:.3f}", flush=True)
     records = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(rec_dir, "*.json")))]
-    done = {(r["run"], r["seed"]) for r in records}
-    missing = [f"{n} seed {sd}" for sd in SEEDS for n in RUNS if (n, sd) not in done]
-    md = os.path.join(args.results, "compare.md")
-    png = plot(records, os.path.join(args.results, "compare.png"))
-    with open(md + ".tmp", "w") as f:
-        f.write("# All four routers vs dense GPTs of matched cost\n\n"
-                f"Built by `python experiments/compare.py` from {len(records)} JSON records in results/compare/. "
-                f"Preset: {json.dumps(BASE)}; seeds {sorted({r['seed'] for r in records})}; values are mean ± sd "
-                f"over seeds (± 0.000: one seed). Not run: {', '.join(missing) or 'none'}.\n\n")
-        f.write(table(records))
-        if png:
-            f.write("\n![val loss vs inference FLOPs](compare.png)\n")
-    os.replace(md + ".tmp", md)
+    md = os.path.join(results, "compare.md")
+    png = os.path.join(results, f"compare{suffix}.png")
+    png = (plot(records, png) if records else None) or (png if os.path.exists(png) else None)
+    write_section(md, args.budget, section(args.budget, records, rec_dir, png))
     print(open(md).read())
 
 

@@ -78,3 +78,30 @@ def decoded_vs_full(model, idx, start):
         logits, state = model.step(idx[:, t:t + 1], state)
         steps.append(logits)
     return torch.stack(steps, 1).float(), full[:, start - 1:].float()
+
+
+@torch.no_grad()
+def compiled_decode_matches(model, prompt, n, backend="aot_eager"):
+    """Greedy decoding with torch.compile(model.step) equals the eager step token for token, and the compiled
+    step's shapes do not change from token to token: after the first two tokens (the first call traces, the
+    second may specialise once) no new graph is compiled. aot_eager runs dynamo's capture and AOT tracing
+    without inductor's C++ build (what the CUDA-graph capture of reduce-overhead needs: one graph per decode
+    variant); the inductor run on CPU is tested on the dense GPT only (slow to build). Returns the number of
+    graphs compiled (routed models that decide on the host per layer compile one per variant)."""
+    import torch._dynamo as dynamo
+    dynamo.reset()
+    step = torch.compile(model.step, backend=backend)
+    out = {}
+    for name, fn in (("eager", model.step), ("compiled", step)):
+        logits, state = model.prefill(prompt)
+        toks = []
+        for i in range(n):
+            tok = logits.argmax(-1, keepdim=True)               # (B, 1)
+            toks.append(tok)
+            if name == "compiled" and i == 2:
+                graphs = dynamo.utils.counters["stats"]["unique_graphs"]
+            logits, state = fn(tok, state)
+        out[name] = torch.cat(toks, 1)
+    assert torch.equal(out["eager"], out["compiled"]), (out["eager"], out["compiled"])
+    assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a decode step recompiled: its shapes change"
+    return graphs

@@ -445,8 +445,9 @@ def test_kv_cache_is_preallocated_and_typed_from_its_first_kv():
     cache = common.KVCache(2, 8, k, k)
     assert cache.k.shape == (2, 2, 8, 4) and cache.k.dtype == torch.bfloat16
     ptr = cache.k.data_ptr()
-    k2, v2 = cache.append(3, k[:, :, :1], k[:, :, :1])
-    assert k2.shape == (2, 2, 4, 4) and cache.k.data_ptr() == ptr  # written in place, no re-allocation
+    k2, v2 = cache.append(torch.tensor(3), k[:, :, :1] + 1, k[:, :, :1])
+    assert k2.shape == (2, 2, 8, 4) and cache.k.data_ptr() == ptr  # written in place, no re-allocation
+    assert torch.equal(k2[:, :, 3], k[:, :, 0] + 1) and torch.equal(k2[:, :, :3], k)  # at pos, the past kept
 
 
 # ---------------------------------------------------------------------------------------------------
