@@ -32,7 +32,9 @@ Deviations from the paper (Config fields; `--preset paper` sets the paper's valu
     router's b2 is shifted once so that p > 0.5 for the share of tokens its soft gate claims, mean(p_l)
     (eq. 6's term; a soft-trained router at the paper's budget scales tokens by 1 − p but hardly halts
     any), then frozen. Trained routers re-open in the phase and skip almost nothing (issue 12); calibrated,
-    frozen ones execute the savings the soft model reports (results/tsa.md, CPU proxy). "soft" is a control:
+    frozen ones execute the savings the soft model reports (results/tsa.md, CPU proxy). exec_share=S in (0, 1]
+    instead shifts b2 so that a share S of the batch's tokens stays active at every router (the quantile S of
+    its logits): TLOps saved (L−1)(1−S)/L, an operating point λ alone no longer moves. "soft" is a control:
     no hard phase at all, only hard_ft_lr's restart (is a gain the hard phase's or the extra step size's?).
   * hard_ft_lr (`--preset paper`: 3e-4, its peak lr; default 0 = off): the phase's lr restarts at hard_ft_lr
     and falls by a cosine to min_lr over the phase. The main schedule's tail (≈4e-5 → 3e-5 there) leaves the
@@ -76,6 +78,7 @@ class Config(common.Config):
     hard_ft_iters: int = 250        # the last iterations train with straight-through hard gates (all if > max_iters)
     hard_ft_routers: str = "train"  # ... in which the routers "train", stay "frozen", "calibrate" or "soft" (docstring)
     hard_ft_lr: float = 0.0         # > 0: that phase's lr restarts here, cosine to min_lr (0: the schedule goes on)
+    exec_share: float = 0.0         # "calibrate": share of routed token-layers left active (0: the soft gate's claim)
     variant: str = "tsa"            # "tsa" | "early_exit" (the §3.5 baseline)
     threshold: float = 1.0          # early exit: exit when max softmax prob > threshold (1.0: never)
     model: str = "tsa"
@@ -99,6 +102,10 @@ class Config(common.Config):
                                  f"got {self.hard_ft_routers!r}")
         if self.hard_ft_iters < 0:
             raise NanorouteError(f"hard_ft_iters must be >= 0, got {self.hard_ft_iters}")
+        if not 0.0 <= self.exec_share <= 1.0:
+            raise NanorouteError(f"exec_share must be in [0, 1], got {self.exec_share}")
+        if self.exec_share and self.hard_ft_routers != "calibrate":
+            raise NanorouteError(f"exec_share needs hard_ft_routers='calibrate', got {self.hard_ft_routers!r}")
         if self.hard_ft_lr and not self.hard_ft_lr >= self.min_lr:  # also refuses nan
             raise NanorouteError(f"hard_ft_lr must be 0 (off) or >= min_lr={self.min_lr}, got {self.hard_ft_lr}")
 
@@ -208,10 +215,11 @@ class Model(common.LM):
         for router, block in zip(self.routers, self.blocks[1:]):
             p = router(x)  # (B, T, 1) p_l from the state after block l
             if mode == "hard_st" and self.cfg.hard_ft_routers != "train":
-                if self.calibrate_now:  # once: shift b2 so that p > 0.5 for the share of tokens the soft gate
-                    with torch.no_grad():  # claims, mean(p_l) (eq. 6's term), on this batch; no host sync
+                if self.calibrate_now:  # once: shift b2 so that p <= 0.5 (active) for a share of this batch's
+                    with torch.no_grad():  # tokens: exec_share, or (0) 1 − mean(p_l), what the soft gate claims
                         z = torch.logit(p, eps=1e-6).flatten()        # (B·T,) router logits + b2
-                        router.fc2.bias -= z.quantile(1.0 - p.mean()).to(router.fc2.bias.dtype)
+                        share = self.cfg.exec_share or 1.0 - p.mean()  # no host sync
+                        router.fc2.bias -= z.quantile(share).to(router.fc2.bias.dtype)
                     p = router(x)
                 p = p.detach()  # frozen: no gradient reaches the router, so AdamW skips it (no decay either)
             g = self.gate(p, mode)

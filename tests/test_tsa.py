@@ -496,6 +496,23 @@ def test_calibrated_routers_halt_what_the_soft_gate_claims():
         assert all(torch.equal(r.fc2.bias, b) for r, b in zip(m.routers, b_new))
 
 
+@pytest.mark.parametrize("share", [0.5, 0.8])
+def test_exec_share_sets_the_active_share(share):
+    """exec_share=S: the calibration step shifts each router's b2 to the quantile S of its logits on that batch,
+    so a share S of the token-layers stays active (p <= 0.5) there, whatever the soft gate claims."""
+    m = make(dtype=torch.float32, max_iters=6, hard_ft_iters=3, hard_ft_routers="calibrate", exec_share=share).train()
+    with torch.no_grad():  # spread the logits (at init they differ by ~1e-6, fp32's resolution of logit(p))
+        for r in m.routers:
+            r.fc2.weight.normal_(0, 1.0)
+    x = ids(B=4)
+    m.on_step(3)
+    with torch.no_grad():
+        m(x, x)
+        ps = m.trunk(m.embed(x), "hard_st")[1]
+    active = torch.stack([(p <= 0.5).float().mean() for p in ps])  # (L−1,) per router
+    assert (active - share).abs().max() <= 0.01 and abs(active.mean() - share) <= 0.01
+
+
 # ----------------------------------------------------------------------------------------------------
 # Early-exit baseline (§3.5)
 
@@ -618,7 +635,8 @@ def test_bad_config_is_one_line_error():
     for bad in (dict(hard_variant="x"), dict(variant="moe"), dict(lam=-1.0), dict(lam=float("nan")),
                 dict(n_layer=1), dict(threshold=2.0), dict(hard_ft_iters=-1), dict(router_bias=float("inf")),
                 dict(hard_ft_routers="freeze"), dict(hard_ft_lr=-1.0), dict(hard_ft_lr=1e-9),
-                dict(hard_ft_lr=float("nan"))):
+                dict(hard_ft_lr=float("nan")), dict(exec_share=1.5, hard_ft_routers="calibrate"),
+                dict(exec_share=-0.1, hard_ft_routers="calibrate"), dict(exec_share=0.5)):
         with pytest.raises(common.NanorouteError):
             tiny(**bad)
     m = make().eval()
