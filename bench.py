@@ -51,7 +51,7 @@ def timeit(fns, device, repeats=10, warmup=3):
 
 
 DTYPE = None  # the autocast dtype of this run (--dtype; None: what training uses on the device)
-MIN_SECONDS = 1.0  # timeit's time per callable at least (0 with --quick: a smoke run)
+MIN_SECONDS = 0.25  # timeit's time per callable at least (0 with --quick: a smoke run); keeps `all` short on a GPU
 
 
 def train_step(model, x, y, device):
@@ -74,26 +74,28 @@ def forward(model, x, **kw):
     return run
 
 
-def decode_rows(suite, model, device, args, extra=None):
+def decode_rows(suite, model, device, args, extra=None, compiled=False):
     """Cached generation tokens/s of `model` (eval, its own routing) and of a dense GPT of the same size, at
     batch 1 and 8, interleaved; greedy from a 16-token prompt. A row per batch size, with `flops_ideal`: the
     dense GPT's FLOPs per token over the model's, with the routing its eval forward takes on the generated text
-    (the speed_ratio routed decoding would reach if time followed FLOPs)."""
+    (the speed_ratio routed decoding would reach if time followed FLOPs). compiled: a `decode_compiled` row at
+    batch 1, both models' steps compiled (CUDA graphs on CUDA), compile time excluded (warm-up calls)."""
     cfg = model.cfg
     arch = {k: getattr(cfg, k) for k in common.ARCH_FIELDS}
     torch.manual_seed(0)
     dense = common.Model(common.Config(**arch)).to(device).eval()
     n_new = 8 if args.quick else min(128, cfg.block_size - 16)
     rows = []
+
+    def gen(m, prompt, compile=False):
+        def run():
+            with common.autocast(device, DTYPE):
+                m.generate(prompt, n_new, temperature=0, compile=compile)
+        return run
     for B in (1, 8):
         prompt = torch.randint(0, cfg.vocab_size, (B, 16), generator=torch.Generator().manual_seed(B)).to(device)
-
-        def gen(m):
-            def run():
-                with common.autocast(device, DTYPE):
-                    m.generate(prompt, n_new, temperature=0)
-            return run
-        t = timeit({"routed": gen(model), "dense": gen(dense)}, device, max(1, min(args.repeats, 5)), warmup=1)
+        t = timeit({"routed": gen(model, prompt), "dense": gen(dense, prompt)}, device, max(1, min(args.repeats, 5)),
+                   warmup=1)
         row = {"suite": suite, "what": "decode", "B": B, "new_tokens": n_new, **(extra or {}),
                "tokens_per_s": B * n_new / t["routed"], "dense_tokens_per_s": B * n_new / t["dense"],
                "speed_ratio": t["dense"] / t["routed"]}
@@ -103,6 +105,59 @@ def decode_rows(suite, model, device, args, extra=None):
                 saved = model(seq[:, :-1], seq[:, 1:])[2].get("flops_saved_hard", 0.0)
             row["flops_ideal"] = 1.0 / (1.0 - float(saved))  # dense GPT FLOPs / routed FLOPs per token
         rows.append(row)
+        if compiled and B == 1:
+            fns = {"eager": gen(model, prompt), "compiled": gen(model, prompt, compile=True)}
+            if model is not dense:
+                fns["dense_compiled"] = gen(dense, prompt, compile=True)
+            t = timeit(fns, device, max(1, min(args.repeats, 5)), warmup=3)  # warm-up: compile, CUDA-graph record
+            rows.append({"suite": suite, "what": "decode_compiled", "B": 1, "new_tokens": n_new, **(extra or {}),
+                         "compiled_tokens_per_s": n_new / t["compiled"], "eager_tokens_per_s": n_new / t["eager"],
+                         "dense_compiled_tokens_per_s": n_new / t.get("dense_compiled", t["compiled"]),
+                         "speedup_compile": t["eager"] / t["compiled"]})
+    return rows
+
+
+OPS_SIZE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=8, n_embd=256, dropout=0.0)  # the bars' size
+OPS_BARS = {"sparse": 2.0, "step": 1.2}  # vs the dense GPT's forward / decode step (the hybrid's forward: 3.0)
+
+
+@torch.no_grad()
+def count_paths(model, device, B=8, T=256):
+    """Ops dispatched (common.count_ops) by model's forward at (B, T), its sparse forward when it has one, and
+    its B=1 decode step after a 100-token prefill (the most over 8 steps: a routed step's count depends on the
+    path the token takes)."""
+    idx = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
+    out = {}
+    with common.autocast(device, DTYPE):
+        model(idx)  # warm-up: lazily built state is not counted
+        out["forward"] = common.count_ops(model, idx)[0]
+        if model.__class__ is not common.Model:
+            out["sparse"] = common.count_ops(model, idx, sparse=True)[0]
+        logits, state = model.prefill(idx[:1, :100])
+        steps = []
+        for t in range(100, 108):
+            n, _ = common.count_ops(lambda: steps.append(model.step(idx[:1, t:t + 1], state)))
+            state = steps[-1][1]
+            steps[-1] = n
+        out["step"] = max(steps)
+    return out
+
+
+def ops_rows(suite, model, device):
+    """`what=ops` rows: ops dispatched per call, device-independent (at these sizes a GPU is bound by how many
+    ops the host launches, ~30 µs each, not by FLOPs). model: the suite's routed model at OPS_SIZE with mixed
+    routing forced (None: the dense GPT's own rows). Each row has its ratio to the dense GPT's and the bar."""
+    torch.manual_seed(0)
+    gpt = count_paths(common.Model(common.Config(**OPS_SIZE)).to(device).eval(), device)
+    if model is None:
+        return [{"suite": suite, "what": "ops", "path": f"gpt_{p}", "ops": n} for p, n in gpt.items()]
+    ours = count_paths(model.eval(), device)
+    rows = []
+    for path, n in ours.items():
+        ref = gpt["step" if path == "step" else "forward"]
+        bar = OPS_BARS.get(path, float("nan")) * (1.5 if suite == "hybrid" and path == "sparse" else 1.0)
+        rows.append({"suite": suite, "what": "ops", "path": "dense_hard" if path == "forward" else path, "ops": n,
+                     "gpt_ops": ref, "ratio_vs_gpt": n / ref, "bar": bar, "meets_bar": n / ref <= bar})
     return rows
 
 
@@ -160,26 +215,26 @@ class PlainGPT(nn.Module):
         return logits, loss, {}
 
 
-def bench_gpt(args, device):
+def bench_gpt(args, device, rows):
     cfg = common.Config(block_size=256)
     B, T = (4, 64) if args.quick else (16, 256)
     ours, plain = common.Model(cfg).to(device), PlainGPT(cfg).to(device)
     x, y = batch(cfg, B, T, device)
-    rows = []
     for what, make in (("forward", lambda m: forward(m, x)), ("train_step", lambda m: train_step(m, x, y, device))):
         t = timeit({"ours": make(ours), "plain": make(plain)}, device, args.repeats)
         rows.append({"suite": "gpt", "what": what, "B": B, "T": T, "ours_ms": 1e3 * t["ours"],
                      "plain_ms": 1e3 * t["plain"], "tokens_per_s": B * T / t["ours"],
                      "speed_ratio_ours_vs_plain": t["plain"] / t["ours"]})
-    return rows + decode_rows("gpt", ours.eval(), device, args)
+    rows += decode_rows("gpt", ours.eval(), device, args, compiled=not args.quick or args.compile)
+    rows += ops_rows("gpt", None, device)
 
 
 # ----------------------------------------------------------------------------------------------------
 # hybrid: Gated DeltaNet chunked vs recurrent, GDN vs softmax, cached decode per pattern, sparse vs dense-hard
 
-def bench_hybrid(args, device):
+def bench_hybrid(args, device, rows):
     import hybrid_attn as HA
-    rows, reps = [], min(args.repeats, 3)
+    reps = min(args.repeats, 3)
     B, nh, K = (1, 2, 32) if args.quick else (1, 4, 64)
     for T in ((64, 256) if args.quick else (256, 1024, 4096)):
         g = torch.Generator().manual_seed(T)
@@ -250,7 +305,7 @@ def bench_hybrid(args, device):
                          "dense_ms": 1e3 * t["dense"], "speedup": t["dense"] / t["sparse"]})
     torch.manual_seed(0)
     m = HA.Model(HA.Config(pattern="G R R S", block_size=256 if not args.quick else 32)).to(device).eval()
-    return rows + decode_rows("hybrid", m, device, args, {"pattern": "G R R S"})
+    rows += decode_rows("hybrid", m, device, args, {"pattern": "G R R S"}, compiled=args.compile)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -271,12 +326,11 @@ class _ForcedRouter(nn.Module):
         return torch.stack([p, 1 - p], -1)                         # (B, T, 2)
 
 
-def bench_dtrnet(args, device):
+def bench_dtrnet(args, device, rows):
     import dtrnet
     quick = args.quick
     Ts, B = ((64, 128), 2) if quick else ((512, 1024, 2048, 4096), 8)
     cfg = dtrnet.Config(n_layer=7, n_head=4, n_embd=128, block_size=max(Ts), vocab_size=65)  # bilayer TDTDTDT
-    rows = []
 
     def forced(rho, c=cfg):
         m = dtrnet.Model(c).to(device).eval()
@@ -331,7 +385,7 @@ def bench_dtrnet(args, device):
     n_new = 32 if quick else 256
     gcfg = dtrnet.Config(n_layer=7, n_head=4, n_embd=128, block_size=n_new + 16, vocab_size=65)
     m = forced(0.1, gcfg)
-    rows += decode_rows("dtrnet", m, device, args, {"rho_set": 0.1})
+    rows += decode_rows("dtrnet", m, device, args, {"rho_set": 0.1}, compiled=args.compile)
     prompt = torch.zeros(1, 16, dtype=torch.long, device=device)
     with torch.no_grad(), common.autocast(device, DTYPE):
         logits, state = m.prefill(prompt)
@@ -340,14 +394,13 @@ def bench_dtrnet(args, device):
     held, full = dtrnet.kv_cache_bytes(state)
     rows.append({"suite": "dtrnet", "what": "kv_cache", "B": 1, "T": n_new + 16, "rho_set": 0.1,
                  "kv_bytes": held, "kv_bytes_dense": full, "kv_ratio": held / full})
-    return rows
 
 
 # ----------------------------------------------------------------------------------------------------
 # tsa: training step soft TSA vs dense; inference dense / soft / hard / sparse(FFN) / sparse(FFN+query) with
 # forced routing over an α sweep (FLOPs-ideal speedup next to each measured one); batch scaling; a trained ckpt
 
-def bench_tsa(args, device):
+def bench_tsa(args, device, rows):
     import tsa
     if args.quick:
         kw, B, T, alphas, batches = dict(n_layer=4, n_head=4, n_embd=64), 4, 64, (0.3, 0.73, 1.0), (1, 4)
@@ -358,7 +411,7 @@ def bench_tsa(args, device):
     dense = common.Model(cfg).to(device)
     model = tsa.Model(cfg).to(device)
     model.load_state_dict(dense.state_dict(), strict=False)  # the same GPT weights plus routers
-    rows, reps = [], args.repeats
+    reps = args.repeats
 
     Btr, Ttr = (4, 64) if args.quick else (16, 128)
     x, y = batch(cfg, Btr, Ttr, device)
@@ -409,7 +462,7 @@ def bench_tsa(args, device):
         val = common.load_split(cfg.dataset, "val", cfg.data_dir)
         x = torch.stack([torch.from_numpy(val[i * T:(i + 1) * T].astype("int64")) for i in range(B)]).to(device)
         measure("infer_trained_ckpt", float("nan"), B, ["dense", "hard", "sparse_ffn", "sparse_query"], x)
-        return rows
+        return
     dense.eval()
     x = batch(cfg, B, T, device)[0]
     for alpha in alphas:  # the α sweep at the paper's shape
@@ -436,14 +489,14 @@ def bench_tsa(args, device):
             r.fc2.bias -= z[0].quantile(0.73)  # active: p <= 0.5, i.e. logit <= the α-quantile
         a_hard = model.eval()(x)[2]["alpha_hard"].item()
     ideal = common.dense_flops_per_token(cfg, T) / tsa.flops_per_token(cfg, T, a_hard, "query")
-    return rows + decode_rows("tsa", model, device, args, {"alpha": a_hard, "flops_ideal": ideal})
+    rows += decode_rows("tsa", model, device, args, {"alpha": a_hard, "flops_ideal": ideal}, compiled=args.compile)
 
 
 # ----------------------------------------------------------------------------------------------------
 # conddepth: sparse vs dense-hard execution of the controlled FFN sub-layers (top-k ρ ∈ {0.25, 0.5}), and the
 # whole forward, each next to its FLOPs-ideal speedup
 
-def bench_conddepth(args, device):
+def bench_conddepth(args, device, rows):
     import conddepth as cd
     if args.ckpt:
         ck = common.load_checkpoint(args.ckpt)
@@ -451,7 +504,6 @@ def bench_conddepth(args, device):
     else:
         kw = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=65) if args.quick else dict(vocab_size=65)
     B, T = (4, 64) if args.quick else (16, 128)
-    rows = []
     for rho in (0.25, 0.5):
         cfg = cd.Config(**{**kw, "block_size": max(T, kw.get("block_size", T))}, rho=rho,
                         n_controlled=1 if args.quick else 2)
@@ -493,13 +545,36 @@ def bench_conddepth(args, device):
                           "frac_of_ideal_gain": (t["dense"] / t["sparse"] - 1) / (ideal - 1),
                           "infer_vs_full": cd.infer_vs_full(cfg)})
         rows += sweep + [crossover(sweep, "speedup", rho=rho)]
-        rows += decode_rows("conddepth", model, device, args, {"rho": rho})
-    return rows
+        rows += decode_rows("conddepth", model, device, args, {"rho": rho}, compiled=args.compile and rho == 0.5)
 
 
 # ----------------------------------------------------------------------------------------------------
 
 SUITES = {"gpt": bench_gpt, "hybrid": bench_hybrid, "dtrnet": bench_dtrnet, "tsa": bench_tsa, "conddepth": bench_conddepth}
+
+
+class Rows(list):
+    """The rows of this run: each is printed and, with --json, the file rewritten (atomically) as it is
+    measured, so a run stopped half-way keeps every row it finished."""
+
+    def __init__(self, args, device):
+        super().__init__()
+        self.args, self.device = args, device
+
+    def append(self, r):
+        r["device"], r["dtype"] = str(self.device), DTYPE
+        super().append(r)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+        if self.args.json:
+            with open(self.args.json + ".tmp", "w") as f:
+                json.dump({"argv": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                           "rows": list(self)}, f, indent=1)
+            os.replace(self.args.json + ".tmp", self.args.json)
+
+    def __iadd__(self, rs):
+        for r in rs:
+            self.append(r)
+        return self
 
 
 def main(argv=None):
@@ -510,32 +585,29 @@ def main(argv=None):
                    help="autocast dtype (default: what training uses on the device: bf16 on CUDA, fp32 elsewhere)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    p.add_argument("--compile", action="store_true", help="also time compiled decoding in every suite (gpt: always)")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file (rewritten after every row)")
     p.add_argument("--ckpt", default="", help="a trained checkpoint, for suites that use trained routers")
     args = p.parse_args(argv)
     try:
         global DTYPE, MIN_SECONDS
-        MIN_SECONDS = 0.0 if args.quick else 1.0
+        if args.repeats < 1:
+            raise common.NanorouteError(f"--repeats must be >= 1, got {args.repeats}")
+        if args.json and os.path.isdir(args.json):
+            raise common.NanorouteError(f"--json {args.json} is a directory; give a file name")
+        MIN_SECONDS = 0.0 if args.quick else MIN_SECONDS
         device = common.pick_device(args.device)
         DTYPE = args.dtype or common.default_dtype(device)
+        if args.json:
+            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         torch.manual_seed(0)
-        rows = []
+        rows = Rows(args, device)
         for name in (SUITES if args.suite == "all" else [args.suite]):
-            for r in SUITES[name](args, device):
-                r["device"], r["dtype"] = str(device), DTYPE
-                rows.append(r)
-                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
-                      flush=True)
+            SUITES[name](args, device, rows)
     except common.NanorouteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json + ".tmp", "w") as f:
-            json.dump({"argv": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "rows": rows}, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
-    return rows
+    return list(rows)
 
 
 if __name__ == "__main__":

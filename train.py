@@ -123,6 +123,12 @@ def check_fits(cfg, meta):
         raise NanorouteError(f"--out_dir {cfg.out_dir}: {parent} is a file, not a directory")
 
 
+def build(module, cfg):
+    """The model a Config asks for: a module's build(cfg) when it has variants in their own classes
+    (tsa: the early-exit baseline), else its Model(cfg)."""
+    return getattr(module, "build", module.Model)(cfg)
+
+
 def write_json_atomic(path, obj):
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
@@ -151,8 +157,9 @@ def train(cfg, module, resume=False):
         cfg = dataclasses.replace(cfg, **{k: init["config"][k] for k in common.ARCH_FIELDS if k in init["config"]})
     cfg = resolve(cfg, meta)
     check_fits(cfg, meta)
-    if cfg.compile and getattr(module, "COMPILE_REFUSED", ""):
-        raise NanorouteError(f"--compile is refused for --model {cfg.model}: {module.COMPILE_REFUSED}")
+    refused = getattr(module, "COMPILE_REFUSED", {}).get(device.type)  # device type -> why compile is refused there
+    if cfg.compile and refused:
+        raise NanorouteError(f"--compile is refused for --model {cfg.model} on {device.type}: {refused}")
     train_data = common.load_split(cfg.dataset, "train", cfg.data_dir)
     val_data = common.load_split(cfg.dataset, "val", cfg.data_dir)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
@@ -160,7 +167,7 @@ def train(cfg, module, resume=False):
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
 
     torch.manual_seed(cfg.seed + rank)
-    model = module.Model(cfg).to(device)
+    model = build(module, cfg).to(device)
     if init is not None:
         try:
             missing, unexpected = model.load_state_dict(init["model"], strict=False)
@@ -370,12 +377,12 @@ def sample(model, val_data, meta, device, n=200):
 # python train.py --sample RUN_DIR: nanoGPT's sample.py for a trained run
 
 SAMPLE_FLAGS = {"sample": str, "prompt": str, "num_tokens": int, "temperature": float, "top_k": int,
-                "dense": bool, "seed": int, "device": str}
+                "dense": bool, "compile": bool, "seed": int, "device": str}
 
 
 def sample_run(argv):
-    opts = {"prompt": "\n", "num_tokens": 300, "temperature": 0.8, "top_k": 200, "dense": False, "seed": 1337,
-            "device": "auto"}
+    opts = {"prompt": "\n", "num_tokens": 300, "temperature": 0.8, "top_k": 200, "dense": False, "compile": False,
+            "seed": 1337, "device": "auto"}
     for key, val in split_flags(argv):
         if key not in SAMPLE_FLAGS:
             raise NanorouteError(f"unknown option --{key} with --sample; valid: --{', --'.join(SAMPLE_FLAGS)}")
@@ -400,19 +407,23 @@ def sample_run(argv):
     except TypeError as e:
         raise NanorouteError(f"checkpoint {path} has a config this code does not know ({e})")
     device = common.pick_device(opts["device"])
-    model = module.Model(cfg).to(device)
+    model = build(module, cfg).to(device)
     model.load_state_dict(ckpt["model"])
     meta = common.load_meta(cfg.dataset, cfg.data_dir)
-    ids = common.encode(meta, opts["prompt"])
+    ids = common.encode(meta, opts["prompt"] or "\n")  # an empty prompt starts from a newline, as nanoGPT's sample.py
+    if not ids:
+        raise NanorouteError(f"--prompt is empty; a {cfg.dataset} prompt needs at least one token (e.g. '[BOS] 3 1')")
     idx = torch.tensor(ids[-cfg.block_size:], dtype=torch.long, device=device)[None]  # (1, T0)
     torch.manual_seed(opts["seed"])
     t = time.perf_counter()
     with common.autocast(device):
-        out = model.generate(idx, opts["num_tokens"], opts["temperature"], opts["top_k"], use_cache=not opts["dense"])
+        out = model.generate(idx, opts["num_tokens"], opts["temperature"], opts["top_k"], use_cache=not opts["dense"],
+                             compile=opts["compile"])
     common.sync(device)
     dt = time.perf_counter() - t
     how = ("cache-free forward of the whole window per token" if opts["dense"] or not hasattr(model, "prefill")
-           else "KV-cached decoding" + (", routed" if hasattr(model, "routing_map") else ""))
+           else "KV-cached decoding" + (", routed" if hasattr(model, "routing_map") else "")
+           + (", compiled step (includes compile time)" if opts["compile"] else ""))
     print(f"{cfg.model} from {path} (step {ckpt['iter']}, val {ckpt.get('val_loss', float('nan')):.4f}); "
           f"{opts['num_tokens']} tokens in {dt:.2f}s ({opts['num_tokens'] / dt:.0f} tok/s, {how})")
     if hasattr(model, "routing_map"):
