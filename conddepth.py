@@ -472,29 +472,51 @@ class Model(common.LM):
 
     @torch.no_grad()
     def prefill(self, idx):
+        """idx (B, T) -> (logits (B, V) of its last token, state = (a KVCache per layer, position as a 0-d tensor,
+        the gates' inference form, made once here))."""
         if self.mode != "causal":
             raise NanorouteError("cached decoding routes causally: mode='topk' looks at future tokens "
                                  "(use mode='causal', or generate(..., use_cache=False))")
-        return self.step(idx, (None, 0, self.folds()))               # the gates' inference form, once per prefill
+        L, C, S = self.cfg.n_layer, self.cfg.n_controlled, self.cfg.block_size
+        x, caches, folds = self.embed(idx), [], self.folds()     # (B, T, d)
+        for i, block in enumerate(self.blocks):
+            j = i - (L - C)                                          # controlled (j >= 0): each token's own path
+            if j < 0:
+                x, cache = block.prefill(x, S)
+            else:
+                q, k, v = block.attn.qkv(block.ln_1(x))              # 3 × (B, nh, T, hs)
+                cache = common.KVCache(x.size(0), S, k, v)
+                a = x + block.attn.c_proj(block.attn.attend(q, k, v))  # eq. (1); fp32 + bf16 promotes
+                x = self.sparse_ffn(block, self.cheap[j], a, self.controller(j, a, folds[j])[0] > self.thresholds[j])
+            caches.append(cache)
+        return self.head(x[:, -1:])[0][:, -1], (caches, torch.tensor(idx.size(1), device=idx.device), folds)
 
     @torch.no_grad()
     def step(self, tok, state):
-        """tok (B, 1) at position pos against the KV caches; caches None: prefill, tok the window, creating them."""
+        """tok (B, 1) at position pos (a 0-d tensor) against the preallocated caches: no shape depends on pos, so
+        torch.compile(mode="reduce-overhead") can capture the step as a CUDA graph."""
         caches, pos, folds = state
         L, C = self.cfg.n_layer, self.cfg.n_controlled
-        x = self.embed(tok) if caches is None else self.wte(tok) + self.wpe.weight[pos]  # (B, T', d)
-        new = []
-        for i, block in enumerate(self.blocks):
-            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T', hs)
-            if caches is None:
-                new.append(common.KVCache(x.size(0), self.cfg.block_size, k, v))
-            else:
-                k, v = caches[i].append(pos, k, v)                   # (B, nh, pos + 1, hs)
-            a = x + block.attn.c_proj(block.attn.attend(q, k, v, causal=caches is None)).to(x.dtype)
-            j = i - (L - C)                                          # controlled (j ≥ 0): each token's path
-            x = a + block.ffn_delta(a).to(a.dtype) if j < 0 else \
-                self.sparse_ffn(block, self.cheap[j], a, self.controller(j, a, folds[j])[0] > self.thresholds[j])
-        return self.head(x[:, -1:])[0][:, -1], (caches or new, pos + tok.size(1), folds)
+        x = self.wte(tok) + self.wpe(pos)                            # (B, 1, d)
+        mask = common.past_mask(pos, self.cfg.block_size, caches[0].k.dtype)  # (1, S), once for every layer
+        for i, block in enumerate(self.blocks[:L - C]):
+            x = block.step(x, caches[i], pos, mask)
+        for j, block in enumerate(self.blocks[L - C:]):
+            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, 1, hs)
+            k, v = caches[L - C + j].append(pos, k, v)               # (B, nh, S, hs)
+            a = x + block.attn.c_proj(block.attn.attend(q, k, v, attn_mask=mask))  # eq. (1)
+            full = self.controller(j, a, folds[j])[0] > self.thresholds[j]  # (B, 1)
+            x = self.decode_ffn(block, self.cheap[j], a, full)
+        return self.head(x)[0][:, -1], (caches, pos + 1, folds)
+
+    def decode_ffn(self, block, cheap, a, full):
+        """eq. (4) for one decoded token per row, a (B, 1, d), full (B, 1). Eager B = 1: the host reads the decision
+        (one sync) and runs that FFN alone, 6 ops like the dense block's. B > 1, or under torch.compile: both FFNs
+        and a select, branch-free with fixed shapes (a mixed batch reads both FFNs' weights anyway, and a captured
+        graph pays per graph and per sync, not per op: one graph for every token, none per decision)."""
+        if a.size(0) == 1 and not torch.compiler.is_compiling():
+            return self.sparse_ffn(block, cheap, a, full)
+        return a + torch.where(full[..., None], block.ffn_delta(a), cheap(a))  # (B, 1, d)
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
         """common.LM.generate; mode="topk" re-routes the whole window each token (it has no causal cache)."""
