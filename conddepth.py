@@ -263,6 +263,8 @@ class Model(common.LM):
         self.mode = cfg.mode                                         # switchable (tests, experiments)
         self.label_now = False                                       # set by on_step: oracle labels this step?
         self.last_masks, self.last_scores = [], []
+        self.fold_key = None                                         # folds(): the gates' parameters it was made from
+        self.fold_cache = None
 
     def on_step(self, it):
         """train.py calls this before every step: oracle labels from label_start on, every label_every steps."""
@@ -274,7 +276,7 @@ class Model(common.LM):
         """u (B, T) and G3's (q_full, q_cheap), or (u, None) from G3's fold() (inference). In fp32 under any
         autocast (numerics policy: the decision depends on a only, not on the dtype the rest runs in)."""
         with torch.autocast(a.device.type, enabled=False):
-            a = a.to(torch.promote_types(a.dtype, torch.float32))
+            a = a.float() if a.dtype.itemsize < 4 else a              # the fp32 residual (fp64 in tests) as it is
             return (self.gates[j].infer(a, fold), None) if fold else self.gates[j](a)
 
     def forward(self, idx, targets=None, sparse=False):
@@ -324,7 +326,7 @@ class Model(common.LM):
         full_terms = losses or self.training                         # q and p feed only the losses and eq. (8)
         folds = [()] * C if full_terms else self.folds()
         for j, block in enumerate(self.blocks[-C:]):
-            a = x + block.attn_delta(x).to(x.dtype)                  # (B, T, d), eq. (1)
+            a = x + block.attn_delta(x)                              # (B, T, d), eq. (1); fp32 + bf16 promotes
             u, q = self.controller(j, a, folds[j])                   # (B, T) fp32
             p = torch.sigmoid(u / cfg.tau) if full_terms else None   # eq. (6)
             if topk:
@@ -337,8 +339,8 @@ class Model(common.LM):
             if sparse:                                               # each token runs only its own path
                 x = self.sparse_ffn(block, self.cheap[j], a, m)
                 continue
-            h_full = a + block.ffn_delta(a).to(a.dtype)              # eq. (2)
-            h_cheap = a + self.cheap[j](a).to(a.dtype)               # eq. (3)
+            h_full = a + block.ffn_delta(a)                          # eq. (2)
+            h_cheap = a + self.cheap[j](a)                           # eq. (3)
             if self.training:
                 m_st = ((m.float() - p).detach() + p)[..., None]     # (B, T, 1), eq. (8)
                 x = m_st * h_full + (1 - m_st) * h_cheap             # eq. (9)
@@ -383,16 +385,18 @@ class Model(common.LM):
 
     def sparse_ffn(self, block, cheap, a, m):
         """Each token's path: the full FFN only on the batch's full-path tokens (one gather, one write-back over
-        the cheap result), the cheap FFN (r/d_ff of a full one) on every token; one path alone when all agree."""
+        the cheap result), the cheap FFN (r/d_ff of a full one) on every token; one path alone when all agree.
+        The full FFN's row count changes with the routing: GEMMs, LayerNorm and GELU on n rows, which CUDA runs
+        without per-shape setup (cuBLAS picks a kernel per call; unlike cuDNN attention, nothing is built per
+        length), so no bucketing. A captured graph would need one graph per n: decode_ffn avoids this path there."""
         a2, m2 = a.reshape(-1, a.size(-1)), m.reshape(-1)            # (N, d), (N,)
-        N, n = m2.numel(), int(m2.sum())                             # host sync: how many run the full FFN
-        if n == N:
-            return a + block.ffn_delta(a).to(a.dtype)
-        out = a2 + cheap(a2).to(a.dtype)                             # (N, d), eq. (3)
-        if n:
-            i_full = torch.nonzero_static(m2, size=n).squeeze(1)     # (n,)
+        i_full = m2.nonzero().squeeze(1)                             # (n,): the one host sync, to know n
+        if i_full.numel() == m2.numel():
+            return a + block.ffn_delta(a)                            # eq. (2); fp32 + bf16 promotes, no cast
+        out = a2 + cheap(a2)                                         # (N, d), eq. (3)
+        if i_full.numel():
             x_full = a2.index_select(0, i_full)                      # (n, d)
-            out.index_copy_(0, i_full, x_full + block.ffn_delta(x_full).to(a.dtype))  # eq. (2); no promotion
+            out.index_copy_(0, i_full, x_full + block.ffn_delta(x_full))  # eq. (2)
         return out.view_as(a)
 
     # ------------------------------------------------------------------------------------------------
@@ -415,9 +419,9 @@ class Model(common.LM):
         kv, outs, cheap_outs = [], [], []
         for j, block in enumerate(self.blocks[-C:]):                 # the dense pass
             q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T, hs)
-            a = x + block.attn.c_proj(block.attn.attend(q, k, v)).to(x.dtype)
-            cheap_outs.append(a + self.cheap[j](a).to(a.dtype))      # eq. (3) on the dense trajectory
-            x = a + block.ffn_delta(a).to(a.dtype)
+            a = x + block.attn.c_proj(block.attn.attend(q, k, v))
+            cheap_outs.append(a + self.cheap[j](a))                  # eq. (3) on the dense trajectory
+            x = a + block.ffn_delta(a)
             kv.append((k, v)), outs.append(x)
         ce_full = self.token_ce(x, targets)                          # (B, T)
         pos = torch.arange(T, device=x.device)[:, None] + torch.arange(W, device=x.device)  # (T, W) fork windows
@@ -447,8 +451,8 @@ class Model(common.LM):
         s = torch.cat([s_dense.masked_fill(~see_dense, -math.inf), s_fork.masked_fill(~see_fork, -math.inf)], -1)
         att = (s / math.sqrt(d // nh)).softmax(-1).to(v.dtype)       # (B, nh, T, W, T + W)
         y = torch.einsum("bhtws,bhse->bhtwe", att[..., :T], V) + torch.einsum("bhtwv,bhtve->bhtwe", att[..., T:], v)
-        h = h + block.attn.c_proj(y.permute(0, 2, 3, 1, 4).reshape(B, T, W, d)).to(h.dtype)
-        return h + block.ffn_delta(h).to(h.dtype)
+        h = h + block.attn.c_proj(y.permute(0, 2, 3, 1, 4).reshape(B, T, W, d))
+        return h + block.ffn_delta(h)
 
     # ------------------------------------------------------------------------------------------------
     # Inference: the routing picture and cached decoding (state = (a KV cache per layer, position, folds))
@@ -465,10 +469,16 @@ class Model(common.LM):
         m = torch.stack([mk[0].float() for mk in self.last_masks]).cpu()  # (C, T)
         return m, [f"layer {L - C + j}" for j in range(C)], ("cheap FFN", "full FFN")
 
+    @torch.compiler.disable                                         # reads parameter versions: host bookkeeping
     def folds(self):
-        """Every gate's inference form (GateG3.fold; G1 has nothing to compose), in fp32 under any autocast."""
-        with torch.autocast(self.wte.weight.device.type, enabled=False):
-            return [g.fold() if self.cfg.gate == "G3" else () for g in self.gates]
+        """Every gate's inference form (GateG3.fold; G1 has nothing to compose), in fp32 under any autocast; made
+        again only when a gate parameter changed (written in place, loaded, moved or cast), not on every forward."""
+        key = [(p._version, p.data_ptr(), p.dtype) for p in self.gates.parameters()]
+        if key != self.fold_key:
+            with torch.autocast(self.wte.weight.device.type, enabled=False):
+                self.fold_cache = [g.fold() if self.cfg.gate == "G3" else () for g in self.gates]
+            self.fold_key = key
+        return self.fold_cache
 
     @torch.no_grad()
     def prefill(self, idx):

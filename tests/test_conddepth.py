@@ -191,6 +191,48 @@ def test_compiled_decode_has_fixed_shapes(B):
     assert decided.any() and not decided.all()
 
 
+@torch.no_grad()
+def op_counts(m, T=64):
+    """Ops dispatched (common.count_ops) under bf16 autocast by the forward and sparse forward at B = 4, and by a B = 1
+    decode step after a T/2-token prefill."""
+    idx = data(B=4, T=T)[0]
+    out = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(idx)                                                       # warm-up: autocast keeps its weight casts
+        out["forward"] = common.count_ops(m, idx)[0]
+        if isinstance(m, cd.Model):
+            out["sparse"] = common.count_ops(m, idx, sparse=True)[0]
+        _, state = m.prefill(idx[:1, :T // 2])
+        out["step"] = common.count_ops(m.step, idx[:1, T // 2:T // 2 + 1], state)[0]
+    return out
+
+
+def test_ops_per_call_within_the_bars():
+    """At this project's sizes a GPU is bound by how many ops the host dispatches, not by FLOPs. Against the dense GPT
+    of the same size, with a third of the layers controlled (as at the bars' 6 x 256, 2 controlled) and mixed
+    routing: sparse forward <= 2x its forward, B = 1 decode step <= 1.2x its step, whichever path the token takes.
+    And per controlled layer no more ops than the routing needs over a dense block (G3 folded: 6 ops, the decision
+    1, the cheap FFN 5 + its add; sparse: + 1 sync, 1 gather, 1 write-back; dense-hard: + 1 select; step: + 1 sync,
+    one FFN), so one more cast or sync per layer fails. controller_only=False: autocast keeps its bf16 copy of a
+    weight only if it requires grad, so a frozen backbone is cast again at every call (+1 op per weight matrix)."""
+    torch.manual_seed(0)
+    m = cd.Model(tiny(n_layer=3, n_embd=64, n_head=4, block_size=64, n_controlled=1, controller_only=False)).eval()
+    dense = common.Model(common.Config(**{k: getattr(m.cfg, k) for k in common.ARCH_FIELDS})).eval()
+    ref = op_counts(dense)
+    with torch.no_grad():  # mixed routing: θ = the median score of the layer on this batch (a fresh θ is +inf)
+        m(data(B=4, T=64)[0])
+        m.thresholds.copy_(torch.stack([u.median() for u in m.last_scores]))
+    ours = op_counts(m)
+    assert 0 < torch.stack(m.last_masks).float().mean() < 1
+    C = m.cfg.n_controlled
+    assert ours["sparse"] <= 2 * ref["forward"] and ours["sparse"] - ref["forward"] <= 16 * C, (ours, ref)
+    assert ours["forward"] - ref["forward"] <= 14 * C, (ours, ref)
+    for theta in (-math.inf, math.inf):                              # the token takes the full path, the cheap one
+        m.thresholds.fill_(theta)
+        step = op_counts(m)["step"]
+        assert step <= 1.2 * ref["step"] and step - ref["step"] <= 8 * C, (theta, step, ref)
+
+
 def test_g3_inference_fold_is_the_same_function(dev):
     """GateG3.infer (the linear maps of eqs. 11–13 composed, what every inference path runs) == the gate as
     trained, in fp32 under any autocast; and the model's routing and logits do not change with it."""
@@ -213,6 +255,12 @@ def test_g3_inference_fold_is_the_same_function(dev):
         folded, _, _ = m64(x)                                        # inference: the fold
     assert all(torch.equal(p, q) for p, q in zip(masks, m64.last_masks)) and 0 < torch.stack(masks).float().mean() < 1
     torch.testing.assert_close(folded, unfolded, atol=1e-12, rtol=0)
+    with torch.no_grad():
+        for g in m64.gates:
+            g.w_c.weight.mul_(3)                                     # changed in place: the next forward folds again
+        unfolded = m64(x, y)[0]
+        assert not torch.allclose(unfolded, folded, atol=1e-3)
+        torch.testing.assert_close(m64(x)[0], unfolded, atol=1e-12, rtol=0)
 
 
 def test_cached_generate_equals_cache_free_past_block_size(dev):
