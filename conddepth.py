@@ -140,20 +140,7 @@ PRESETS = {"paper": dict(n_layer=12, n_embd=640, n_head=10, block_size=256, n_co
 
 
 # ----------------------------------------------------------------------------------------------------
-# Modules: cheap FFN (eq. 5), gates G1 (eq. 10) and G3 (eqs. 11–14)
-
-class CheapFFN(nn.Module):
-    """LN2_cheap then W_down SiLU(W_up x): returns the residual delta of eq. (3)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.ln = nn.LayerNorm(cfg.n_embd)                           # its own LN, not shared with LN2
-        self.up = nn.Linear(cfg.n_embd, cfg.cheap_rank)
-        self.down = nn.Linear(cfg.cheap_rank, cfg.n_embd)
-
-    def forward(self, a):
-        return self.down(F.silu(self.up(self.ln(a))))
-
+# Router: gates G1 (eq. 10) and G3 (eqs. 11–14), the top-k budget (eq. 7)
 
 class GateG1(nn.Module):
     def __init__(self, cfg):
@@ -212,27 +199,20 @@ def topk_mask(u, k):
     return torch.zeros_like(u, dtype=torch.bool).scatter_(-1, u.topk(k, dim=-1).indices, True)
 
 
-def derangement(n, device):
-    """A random permutation with no fixed point: a single n-cycle through a random order (n ≥ 2)."""
-    order = torch.randperm(n, device=device)
-    perm = torch.empty_like(order)
-    perm[order] = order.roll(-1)                                     # order[i] -> order[i+1]
-    return perm
+# ----------------------------------------------------------------------------------------------------
+# Block: the cheap FFN of a controlled layer (eq. 5); attention and the full FFN are common.Block's
 
+class CheapFFN(nn.Module):
+    """LN2_cheap then W_down SiLU(W_up x): returns the residual delta of eq. (3)."""
 
-def windowed_ce(ce, W, gamma):
-    """eq. (16): C̃E_t = Σ_{δ<W} γ^δ CE_{t+δ}; (N, T) -> (N, T), positions past T contribute 0."""
-    T = ce.size(1)
-    padded = F.pad(ce, (0, W - 1))
-    return sum(gamma ** d * padded[:, d:d + T] for d in range(W))
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.n_embd)                           # its own LN, not shared with LN2
+        self.up = nn.Linear(cfg.n_embd, cfg.cheap_rank)
+        self.down = nn.Linear(cfg.cheap_rank, cfg.n_embd)
 
-
-def rank_loss(u, u_star):
-    """eq. (18) over pairs (t, π(t)) of each sequence, π a random permutation; tied labels are dropped."""
-    perm = torch.randperm(u.size(1), device=u.device)
-    s = torch.sign(u_star - u_star[:, perm])                         # (B, T)
-    loss = F.softplus(-s * (u - u[:, perm]))
-    return (loss * (s != 0)).sum() / (s != 0).sum().clamp(min=1)
+    def forward(self, a):
+        return self.down(F.silu(self.up(self.ln(a))))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -531,6 +511,32 @@ class Model(common.LM):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
         """common.LM.generate; mode="topk" re-routes the whole window each token (it has no causal cache)."""
         return super().generate(idx, max_new_tokens, temperature, top_k, use_cache and self.mode == "causal")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Losses: A2's derangement (eq. 14), the windowed CE (eq. 16) and the rank loss (eq. 18)
+
+def derangement(n, device):
+    """A random permutation with no fixed point: a single n-cycle through a random order (n ≥ 2)."""
+    order = torch.randperm(n, device=device)
+    perm = torch.empty_like(order)
+    perm[order] = order.roll(-1)                                     # order[i] -> order[i+1]
+    return perm
+
+
+def windowed_ce(ce, W, gamma):
+    """eq. (16): C̃E_t = Σ_{δ<W} γ^δ CE_{t+δ}; (N, T) -> (N, T), positions past T contribute 0."""
+    T = ce.size(1)
+    padded = F.pad(ce, (0, W - 1))
+    return sum(gamma ** d * padded[:, d:d + T] for d in range(W))
+
+
+def rank_loss(u, u_star):
+    """eq. (18) over pairs (t, π(t)) of each sequence, π a random permutation; tied labels are dropped."""
+    perm = torch.randperm(u.size(1), device=u.device)
+    s = torch.sign(u_star - u_star[:, perm])                         # (B, T)
+    loss = F.softplus(-s * (u - u[:, perm]))
+    return (loss * (s != 0)).sum() / (s != 0).sum().clamp(min=1)
 
 
 # ----------------------------------------------------------------------------------------------------
