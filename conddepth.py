@@ -216,9 +216,11 @@ class CheapFFN(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The model
+# The model: training (top-k, eqs. 7–9, and the losses) and inference (causal θ, dense-hard or sparse)
 
-class Model(common.LM):
+class CondDepthLM(common.LM):
+    """Everything but cached decoding, which Model below adds (Model is the class to use)."""
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.blocks = nn.ModuleList([common.Block(cfg) for _ in range(cfg.n_layer)])  # same names as common.Model
@@ -229,7 +231,8 @@ class Model(common.LM):
         self.register_buffer("threshold_batches", torch.zeros(C))   # how many batches θ_l has averaged
         self.init_weights()
         for ffn in self.cheap:                                       # eq. (5): the cheap path starts as identity
-            nn.init.zeros_(ffn.down.weight), nn.init.zeros_(ffn.down.bias)
+            nn.init.zeros_(ffn.down.weight)
+            nn.init.zeros_(ffn.down.bias)
         for g in self.gates:                                         # fan-in init: u spreads at step 0 (docstring)
             for m in g.modules():
                 if isinstance(m, nn.Linear):
@@ -242,7 +245,8 @@ class Model(common.LM):
                 p.requires_grad = name.startswith(("cheap.", "gates.")) and ".target." not in name
         self.mode = cfg.mode                                         # switchable (tests, experiments)
         self.label_now = False                                       # set by on_step: oracle labels this step?
-        self.last_masks, self.last_scores = [], []
+        self.last_masks = []                                         # per layer (B, T): the last forward's routing
+        self.last_scores = []
         self.fold_key = None                                         # folds(): the gates' parameters it was made from
         self.fold_cache = None
 
@@ -260,7 +264,7 @@ class Model(common.LM):
             return (self.gates[j].infer(a, fold), None) if fold else self.gates[j](a)
 
     def forward(self, idx, targets=None, sparse=False):
-        cfg, L, C = self.cfg, self.cfg.n_layer, self.cfg.n_controlled
+        L, C = self.cfg.n_layer, self.cfg.n_controlled
         if sparse and self.training:
             raise NanorouteError("sparse=True is an inference path; call model.eval() first")
         x = self.embed(idx)                                          # (B, T, d)
@@ -269,27 +273,11 @@ class Model(common.LM):
         topk = self.training or self.mode == "topk"                  # training is always the paper's top-k
         h, r = self.controlled(x, topk, sparse, targets is not None)
         logits, lm_loss = self.head(h, targets)
-        self.last_masks, self.last_scores = r["m"], [u.detach() for u in r["u"]]
+        self.last_masks = r["m"]
+        self.last_scores = [u.detach() for u in r["u"]]
         if lm_loss is None:                                          # inference: no statistics to pay for
             return logits, None, {}
-        full = torch.stack([m.float().mean() for m in r["m"]])      # (C,) fraction on the full path
-        ratio = flops_per_token(cfg, idx.size(1), full) / common.dense_flops_per_token(cfg, idx.size(1))
-        stats = {"gate_prob": r["p_bar"].mean().detach(), "full_ratio": full.mean(), "skipped": 1 - full.mean(),
-                 "flops_saved_hard": 1 - ratio, "budget": r["budget"].detach(), "alive": r["alive"].detach(),
-                 "util_var": torch.stack([u.detach().var(correction=0) for u in r["u"]]).mean(),
-                 **{f"skip_l{L - C + j}": 1 - f for j, f in enumerate(full)}}
-        if r["jepa"] is not None:
-            stats.update(jepa=r["jepa"].detach(), qf_qc_l2=r["l2"], qf_qc_cos=r["cos"])
-        util = rank = zero = lm_loss.new_zeros(())
-        labelled = self.training and self.label_now
-        if labelled:
-            u_star = [us.to(u.dtype) for us, u in zip(self.oracle_labels(x.detach(), targets), r["u"])]  # C × (B, T)
-            util = torch.stack([F.huber_loss(u, us) for u, us in zip(r["u"], u_star)]).mean()  # eq. (17)
-            rank = torch.stack([rank_loss(u, us) for u, us in zip(r["u"], u_star)]).mean()     # eq. (18)
-        jepa = r["jepa"] if r["jepa"] is not None else zero
-        loss = lm_loss + cfg.lam_jepa * jepa + cfg.lam_util * util + cfg.lam_rank * rank \
-            + cfg.lam_b * r["budget"] + cfg.lam_a * r["alive"]      # eq. (19)
-        stats.update(lm_loss=lm_loss.detach(), util=util.detach(), rank=rank.detach(), label_step=zero + labelled)
+        loss, stats = total_loss(self, x, targets, lm_loss, r)       # eq. (19)
         if not self.training:  # the training computation (top-k, eq. 9's forward value) on the same batch
             soft = lm_loss if topk else self.head(self.controlled(x, True)[0], targets)[1]
             stats["soft_loss"] = soft.detach()
@@ -298,11 +286,11 @@ class Model(common.LM):
     def controlled(self, x, topk, sparse=False, losses=False):
         """The C controlled layers on x (B, T, d), the residual entering the first one. topk: route by exact
         top-k per sequence (training; in training also updates θ), else by the causal thresholds θ. Returns
-        the output residual and per-layer u and m, plus (losses=True) the budget/alive/JEPA terms."""
+        the output residual and per layer u and m, plus (losses=True) p and the JEPA terms."""
         cfg, C = self.cfg, self.cfg.n_controlled
         B, T, _ = x.shape
         k = budget_k(cfg.rho, T)
-        us, ps, ms, jepas, l2s, coss = [], [], [], [], [], []
+        r = {"u": [], "m": [], "p": [], "jepa": []}
         full_terms = losses or self.training                         # q and p feed only the losses and eq. (8)
         folds = [()] * C if full_terms else self.folds()
         for j, block in enumerate(self.blocks[-C:]):
@@ -315,9 +303,11 @@ class Model(common.LM):
                     self.track_threshold(j, u.detach(), k * B)
             else:
                 m = u > self.thresholds[j]                           # causal: each token on its own
-            us.append(u), ps.append(p), ms.append(m)
+            r["u"].append(u)
+            r["m"].append(m)
+            r["p"].append(p)
             if sparse:                                               # each token runs only its own path
-                x = self.sparse_ffn(block, self.cheap[j], a, m)
+                x = sparse_ffn(block, self.cheap[j], a, m)
                 continue
             h_full = a + block.ffn_delta(a)                          # eq. (2)
             h_cheap = a + self.cheap[j](a)                           # eq. (3)
@@ -326,28 +316,17 @@ class Model(common.LM):
                 x = m_st * h_full + (1 - m_st) * h_cheap             # eq. (9)
             else:
                 x = torch.where(m[..., None], h_full, h_cheap)       # eq. (4), hard
-            if q is not None and losses:                             # G3: JEPA alignment, eq. (14)
-                qf, qc = q
-                with torch.autocast(a.device.type, enabled=False):
-                    z = self.gates[j].target(torch.stack([h_full, h_cheap]).detach().to(qf.dtype))  # (2, B, T, d_s)
-                if cfg.shuffle_targets and self.training:            # A2: another token's real targets
-                    z = z.flatten(1, 2)[:, derangement(B * T, z.device)].view_as(z)
-                jepas.append((2 - F.cosine_similarity(qf, z[0], dim=-1) - F.cosine_similarity(qc, z[1], dim=-1)).mean())
-                l2s.append((qf - qc).detach().norm(dim=-1).mean())
-                coss.append(F.cosine_similarity(qf.detach(), qc.detach(), dim=-1).mean())
-        if not losses:
-            return x, {"u": us, "m": ms}
-        p_bar = torch.stack([p.mean() for p in ps])                  # (C,) batch-averaged gate prob per layer
-        mean = lambda v: torch.stack(v).mean() if v else None
-        return x, {"u": us, "m": ms, "p_bar": p_bar, "budget": ((p_bar - cfg.rho) ** 2).mean(),  # eq. (20)
-                   "alive": F.relu(cfg.p_min - p_bar).mean(),                                    # eq. (21)
-                   "jepa": mean(jepas), "l2": mean(l2s), "cos": mean(coss)}
+            if q is not None and losses:
+                shuffle = cfg.shuffle_targets and self.training      # A2: another token's real targets
+                r["jepa"].append(jepa_terms(self.gates[j].target, q, h_full, h_cheap, shuffle))
+        return x, r
 
     @torch.no_grad()
     def track_threshold(self, j, u, n_full):
         """θ_j ← running average of this batch's top-k cut: midway between its n_full-th and next score."""
         v = u.flatten().topk(n_full + 1).values                      # (n_full + 1,)
-        cut, n = (v[-2] + v[-1]) / 2, self.threshold_batches[j]
+        cut = (v[-2] + v[-1]) / 2
+        n = self.threshold_batches[j]
         beta = (1 / (n + 1)).clamp(min=THRESHOLD_EMA)
         self.thresholds[j] = torch.where(n == 0, cut, self.thresholds[j] + beta * (cut - self.thresholds[j]))
         self.threshold_batches[j] += 1
@@ -363,79 +342,16 @@ class Model(common.LM):
         self.train(was_training)
         return self.thresholds.clone()
 
-    def sparse_ffn(self, block, cheap, a, m):
-        """Each token's path: the full FFN only on the batch's full-path tokens (one gather, one write-back over
-        the cheap result), the cheap FFN (r/d_ff of a full one) on every token; one path alone when all agree.
-        The full FFN's row count changes with the routing: GEMMs, LayerNorm and GELU on n rows, which CUDA runs
-        without per-shape setup (cuBLAS picks a kernel per call; unlike cuDNN attention, nothing is built per
-        length), so no bucketing. A captured graph would need one graph per n: decode_ffn avoids this path there."""
-        a2, m2 = a.reshape(-1, a.size(-1)), m.reshape(-1)            # (N, d), (N,)
-        i_full = m2.nonzero().squeeze(1)                             # (n,): the one host sync, to know n
-        if i_full.numel() == m2.numel():
-            return a + block.ffn_delta(a)                            # eq. (2); fp32 + bf16 promotes, no cast
-        out = a2 + cheap(a2)                                         # (N, d), eq. (3)
-        if i_full.numel():
-            x_full = a2.index_select(0, i_full)                      # (n, d)
-            out.index_copy_(0, i_full, x_full + block.ffn_delta(x_full))  # eq. (2)
-        return out.view_as(a)
-
-    # ------------------------------------------------------------------------------------------------
-    # The oracle (eqs. 15–16): a no-grad teacher, independent of the gate policy
-
-    def token_ce(self, h, targets):
-        """Per-token CE of the head on h (..., d) against targets (...); ignored targets give 0."""
-        logits, _ = self.head(h)
-        logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits, targets.flatten(), ignore_index=-1, reduction="none").view(targets.shape)
-
-    @torch.no_grad()
-    def oracle_labels(self, x, targets):
-        """u*_l (B, T) for each controlled layer, from x (B, T, d) entering the first one. The full branch is
-        the dense model (one pass, keeping each layer's K/V); the cheap branch of fork (l, t) changes token t's
-        FFN at layer l only, so positions < t are unchanged and only t … t+W−1 enter its window: each fork
-        recomputes those W positions of the later layers against the dense K/V of positions < t."""
-        cfg, C, W = self.cfg, self.cfg.n_controlled, self.cfg.oracle_window
-        B, T, _ = x.shape
-        kv, outs, cheap_outs = [], [], []
-        for j, block in enumerate(self.blocks[-C:]):                 # the dense pass
-            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T, hs)
-            a = x + block.attn.c_proj(block.attn.attend(q, k, v))
-            cheap_outs.append(a + self.cheap[j](a))                  # eq. (3) on the dense trajectory
-            x = a + block.ffn_delta(a)
-            kv.append((k, v)), outs.append(x)
-        ce_full = self.token_ce(x, targets)                          # (B, T)
-        pos = torch.arange(T, device=x.device)[:, None] + torch.arange(W, device=x.device)  # (T, W) fork windows
-        valid, pos = pos < T, pos.clamp(max=T - 1)
-        decay = cfg.oracle_gamma ** torch.arange(W, device=x.device) * valid                # (T, W)
-        labels = []
-        for j in range(C):
-            h = outs[j][:, pos]                                      # (B, T, W, d): dense layer-j outputs ...
-            h[:, :, 0] = cheap_outs[j]                               # ... but the forked token took the cheap FFN
-            for i in range(j + 1, C):
-                h = self.fork_block(self.blocks[len(self.blocks) - C + i], h, *kv[i], valid)
-            ce = self.token_ce(h, targets[:, pos])                   # (B, T, W)
-            labels.append(((ce - ce_full[:, pos]) * decay).sum(-1))  # u*_{l,t}, eqs. (15)–(16)
-        return labels
-
-    def fork_block(self, block, h, K, V, valid):
-        """One later layer for every fork's window h (B, T, W, d): fork t's queries see the dense keys of
-        positions < t (K, V: (B, nh, T, hs)) and its own window's keys up to themselves."""
-        B, T, W, d = h.shape
-        nh = block.attn.n_head
-        q, k, v = block.attn.c_attn(block.ln_1(h)).view(B, T, W, 3, nh, d // nh).permute(3, 0, 4, 1, 2, 5)
-        s_dense = torch.einsum("bhtwe,bhse->bhtws", q, K).float()    # (B, nh, T, W, T)
-        s_fork = torch.einsum("bhtwe,bhtve->bhtwv", q, k).float()    # (B, nh, T, W, W)
-        t, w = torch.arange(T, device=h.device), torch.arange(W, device=h.device)
-        see_dense = (t[None, :] < t[:, None])[:, None, :]            # (T, 1, T): key s < t
-        see_fork = (w[None, :] <= w[:, None]) & valid[:, None, :]    # (T, W, W): own keys up to w
-        s = torch.cat([s_dense.masked_fill(~see_dense, -math.inf), s_fork.masked_fill(~see_fork, -math.inf)], -1)
-        att = (s / math.sqrt(d // nh)).softmax(-1).to(v.dtype)       # (B, nh, T, W, T + W)
-        y = torch.einsum("bhtws,bhse->bhtwe", att[..., :T], V) + torch.einsum("bhtwv,bhtve->bhtwe", att[..., T:], v)
-        h = h + block.attn.c_proj(y.permute(0, 2, 3, 1, 4).reshape(B, T, W, d))
-        return h + block.ffn_delta(h)
-
-    # ------------------------------------------------------------------------------------------------
-    # Inference: the routing picture and cached decoding (state = (a KV cache per layer, position, folds))
+    @torch.compiler.disable                                         # reads parameter versions: host bookkeeping
+    def folds(self):
+        """Every gate's inference form (GateG3.fold; G1 has nothing to compose), in fp32 under any autocast; made
+        again only when a gate parameter changed (written in place, loaded, moved or cast), not on every forward."""
+        key = [(p._version, p.data_ptr(), p.dtype) for p in self.gates.parameters()]
+        if key != self.fold_key:
+            with torch.autocast(self.wte.weight.device.type, enabled=False):
+                self.fold_cache = [g.fold() if self.cfg.gate == "G3" else () for g in self.gates]
+            self.fold_key = key
+        return self.fold_cache
 
     @torch.no_grad()
     def routing_map(self, idx):
@@ -449,72 +365,50 @@ class Model(common.LM):
         m = torch.stack([mk[0].float() for mk in self.last_masks]).cpu()  # (C, T)
         return m, [f"layer {L - C + j}" for j in range(C)], ("cheap FFN", "full FFN")
 
-    @torch.compiler.disable                                         # reads parameter versions: host bookkeeping
-    def folds(self):
-        """Every gate's inference form (GateG3.fold; G1 has nothing to compose), in fp32 under any autocast; made
-        again only when a gate parameter changed (written in place, loaded, moved or cast), not on every forward."""
-        key = [(p._version, p.data_ptr(), p.dtype) for p in self.gates.parameters()]
-        if key != self.fold_key:
-            with torch.autocast(self.wte.weight.device.type, enabled=False):
-                self.fold_cache = [g.fold() if self.cfg.gate == "G3" else () for g in self.gates]
-            self.fold_key = key
-        return self.fold_cache
-
-    @torch.no_grad()
-    def prefill(self, idx):
-        """idx (B, T) -> (logits (B, V) of its last token, state = (a KVCache per layer, position as a 0-d tensor,
-        the gates' inference form, made once here))."""
-        if self.mode != "causal":
-            raise NanorouteError("cached decoding routes causally: mode='topk' looks at future tokens "
-                                 "(use mode='causal', or generate(..., use_cache=False))")
-        L, C, S = self.cfg.n_layer, self.cfg.n_controlled, self.cfg.block_size
-        x, caches, folds = self.embed(idx), [], self.folds()     # (B, T, d)
-        for i, block in enumerate(self.blocks):
-            j = i - (L - C)                                          # controlled (j >= 0): each token's own path
-            if j < 0:
-                x, cache = block.prefill(x, S)
-            else:
-                q, k, v = block.attn.qkv(block.ln_1(x))              # 3 × (B, nh, T, hs)
-                cache = common.KVCache(x.size(0), S, k, v)
-                a = x + block.attn.c_proj(block.attn.attend(q, k, v))  # eq. (1); fp32 + bf16 promotes
-                x = self.sparse_ffn(block, self.cheap[j], a, self.controller(j, a, folds[j])[0] > self.thresholds[j])
-            caches.append(cache)
-        return self.head(x[:, -1:])[0][:, -1], (caches, torch.tensor(idx.size(1), device=idx.device), folds)
-
-    @torch.no_grad()
-    def step(self, tok, state):
-        """tok (B, 1) at position pos (a 0-d tensor) against the preallocated caches: no shape depends on pos, so
-        torch.compile(mode="reduce-overhead") can capture the step as a CUDA graph."""
-        caches, pos, folds = state
-        L, C = self.cfg.n_layer, self.cfg.n_controlled
-        x = self.wte(tok) + self.wpe(pos)                            # (B, 1, d)
-        mask = common.past_mask(pos, self.cfg.block_size, caches[0].k.dtype)  # (1, S), once for every layer
-        for i, block in enumerate(self.blocks[:L - C]):
-            x = block.step(x, caches[i], pos, mask)
-        for j, block in enumerate(self.blocks[L - C:]):
-            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, 1, hs)
-            k, v = caches[L - C + j].append(pos, k, v)               # (B, nh, S, hs)
-            a = x + block.attn.c_proj(block.attn.attend(q, k, v, attn_mask=mask))  # eq. (1)
-            full = self.controller(j, a, folds[j])[0] > self.thresholds[j]  # (B, 1)
-            x = self.decode_ffn(block, self.cheap[j], a, full)
-        return self.head(x)[0][:, -1], (caches, pos + 1, folds)
-
-    def decode_ffn(self, block, cheap, a, full):
-        """eq. (4) for one decoded token per row, a (B, 1, d), full (B, 1). Eager B = 1: the host reads the decision
-        (one sync) and runs that FFN alone, 6 ops like the dense block's. B > 1, or under torch.compile: both FFNs
-        and a select, branch-free with fixed shapes (a mixed batch reads both FFNs' weights anyway, and a captured
-        graph pays per graph and per sync, not per op: one graph for every token, none per decision)."""
-        if a.size(0) == 1 and not torch.compiler.is_compiling():
-            return self.sparse_ffn(block, cheap, a, full)
-        return a + torch.where(full[..., None], block.ffn_delta(a), cheap(a))  # (B, 1, d)
-
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
-        """common.LM.generate; mode="topk" re-routes the whole window each token (it has no causal cache)."""
-        return super().generate(idx, max_new_tokens, temperature, top_k, use_cache and self.mode == "causal")
-
 
 # ----------------------------------------------------------------------------------------------------
-# Losses: A2's derangement (eq. 14), the windowed CE (eq. 16) and the rank loss (eq. 18)
+# Losses: eq. (19) and its terms; the oracle's labels (eqs. 15–16), a no-grad teacher independent of the gates
+
+def total_loss(model, x, targets, lm_loss, r):
+    """eq. (19) from the controlled layers' terms r (controlled(losses=True)) and the statistics train.py logs;
+    x (B, T, d): the residual entering the first controlled layer, where the oracle starts."""
+    cfg, L, C = model.cfg, model.cfg.n_layer, model.cfg.n_controlled
+    T = x.size(1)
+    full = torch.stack([m.float().mean() for m in r["m"]])          # (C,) fraction on the full path
+    p_bar = torch.stack([p.mean() for p in r["p"]])                  # (C,) batch-averaged gate prob per layer
+    budget = ((p_bar - cfg.rho) ** 2).mean()                         # eq. (20)
+    alive = F.relu(cfg.p_min - p_bar).mean()                         # eq. (21)
+    ratio = flops_per_token(cfg, T, full) / common.dense_flops_per_token(cfg, T)
+    stats = {"gate_prob": p_bar.mean().detach(), "full_ratio": full.mean(), "skipped": 1 - full.mean(),
+             "flops_saved_hard": 1 - ratio, "budget": budget.detach(), "alive": alive.detach(),
+             "util_var": torch.stack([u.detach().var(correction=0) for u in r["u"]]).mean(),
+             **{f"skip_l{L - C + j}": 1 - f for j, f in enumerate(full)}}
+    util = rank = jepa = zero = lm_loss.new_zeros(())
+    if r["jepa"]:                                                    # G3: each term averaged over the C layers
+        jepa, l2, cos = (torch.stack(t).mean() for t in zip(*r["jepa"]))
+        stats.update(jepa=jepa.detach(), qf_qc_l2=l2, qf_qc_cos=cos)
+    labelled = model.training and model.label_now
+    if labelled:
+        u_star = [us.to(u.dtype) for us, u in zip(oracle_labels(model, x.detach(), targets), r["u"])]  # C × (B, T)
+        util = torch.stack([F.huber_loss(u, us) for u, us in zip(r["u"], u_star)]).mean()  # eq. (17)
+        rank = torch.stack([rank_loss(u, us) for u, us in zip(r["u"], u_star)]).mean()     # eq. (18)
+    loss = lm_loss + cfg.lam_jepa * jepa + cfg.lam_util * util + cfg.lam_rank * rank \
+        + cfg.lam_b * budget + cfg.lam_a * alive
+    stats.update(lm_loss=lm_loss.detach(), util=util.detach(), rank=rank.detach(), label_step=zero + labelled)
+    return loss, stats
+
+
+def jepa_terms(target, q, h_full, h_cheap, shuffle):
+    """eq. (14) for one layer: (L_JEPA, and for the logs ‖q_full − q_cheap‖ and cos(q_full, q_cheap));
+    target: the fixed map T; shuffle (A2): each token gets another token's targets."""
+    qf, qc = q
+    with torch.autocast(qf.device.type, enabled=False):
+        z = target(torch.stack([h_full, h_cheap]).detach().to(qf.dtype))  # (2, B, T, d_s)
+    if shuffle:
+        z = z.flatten(1, 2)[:, derangement(z.size(1) * z.size(2), z.device)].view_as(z)
+    loss = (2 - F.cosine_similarity(qf, z[0], dim=-1) - F.cosine_similarity(qc, z[1], dim=-1)).mean()
+    return loss, (qf - qc).detach().norm(dim=-1).mean(), F.cosine_similarity(qf.detach(), qc.detach(), dim=-1).mean()
+
 
 def derangement(n, device):
     """A random permutation with no fixed point: a single n-cycle through a random order (n ≥ 2)."""
@@ -537,6 +431,149 @@ def rank_loss(u, u_star):
     s = torch.sign(u_star - u_star[:, perm])                         # (B, T)
     loss = F.softplus(-s * (u - u[:, perm]))
     return (loss * (s != 0)).sum() / (s != 0).sum().clamp(min=1)
+
+
+def token_ce(model, h, targets):
+    """Per-token CE of the model's head on h (..., d) against targets (...); ignored targets give 0."""
+    logits, _ = model.head(h)
+    logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=-1, reduction="none").view(targets.shape)
+
+
+@torch.no_grad()
+def oracle_labels(model, x, targets):
+    """u*_l (B, T) for each controlled layer, from x (B, T, d) entering the first one. The full branch is
+    the dense model (one pass, keeping each layer's K/V); the cheap branch of fork (l, t) changes token t's
+    FFN at layer l only, so positions < t are unchanged and only t … t+W−1 enter its window: each fork
+    recomputes those W positions of the later layers against the dense K/V of positions < t."""
+    cfg, C, W = model.cfg, model.cfg.n_controlled, model.cfg.oracle_window
+    B, T, _ = x.shape
+    blocks = model.blocks[-C:]
+    kv, outs, cheap_outs = [], [], []
+    for j, block in enumerate(blocks):                               # the dense pass
+        q, k, v = block.attn.qkv(block.ln_1(x))                      # 3 × (B, nh, T, hs)
+        a = x + block.attn.c_proj(block.attn.attend(q, k, v))
+        cheap_outs.append(a + model.cheap[j](a))                     # eq. (3) on the dense trajectory
+        x = a + block.ffn_delta(a)
+        kv.append((k, v))
+        outs.append(x)
+    ce_full = token_ce(model, x, targets)                            # (B, T)
+    pos = torch.arange(T, device=x.device)[:, None] + torch.arange(W, device=x.device)  # (T, W) fork windows
+    valid = pos < T
+    pos = pos.clamp(max=T - 1)
+    decay = cfg.oracle_gamma ** torch.arange(W, device=x.device) * valid                # (T, W)
+    labels = []
+    for j in range(C):
+        h = outs[j][:, pos]                                          # (B, T, W, d): dense layer-j outputs ...
+        h[:, :, 0] = cheap_outs[j]                                   # ... but the forked token took the cheap FFN
+        for i in range(j + 1, C):
+            h = fork_block(blocks[i], h, *kv[i], valid)
+        ce = token_ce(model, h, targets[:, pos])                     # (B, T, W)
+        labels.append(((ce - ce_full[:, pos]) * decay).sum(-1))      # u*_{l,t}, eqs. (15)–(16)
+    return labels
+
+
+def fork_block(block, h, K, V, valid):
+    """One later layer for every fork's window h (B, T, W, d): fork t's queries see the dense keys of
+    positions < t (K, V: (B, nh, T, hs)) and its own window's keys up to themselves."""
+    B, T, W, d = h.shape
+    nh = block.attn.n_head
+    q, k, v = block.attn.c_attn(block.ln_1(h)).view(B, T, W, 3, nh, d // nh).permute(3, 0, 4, 1, 2, 5)
+    s_dense = torch.einsum("bhtwe,bhse->bhtws", q, K).float()        # (B, nh, T, W, T)
+    s_fork = torch.einsum("bhtwe,bhtve->bhtwv", q, k).float()        # (B, nh, T, W, W)
+    t = torch.arange(T, device=h.device)
+    w = torch.arange(W, device=h.device)
+    see_dense = (t[None, :] < t[:, None])[:, None, :]                # (T, 1, T): key s < t
+    see_fork = (w[None, :] <= w[:, None]) & valid[:, None, :]        # (T, W, W): own keys up to w
+    s = torch.cat([s_dense.masked_fill(~see_dense, -math.inf), s_fork.masked_fill(~see_fork, -math.inf)], -1)
+    att = (s / math.sqrt(d // nh)).softmax(-1).to(v.dtype)           # (B, nh, T, W, T + W)
+    y = torch.einsum("bhtws,bhse->bhtwe", att[..., :T], V) + torch.einsum("bhtwv,bhtve->bhtwe", att[..., T:], v)
+    h = h + block.attn.c_proj(y.permute(0, 2, 3, 1, 4).reshape(B, T, W, d))
+    return h + block.ffn_delta(h)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sparse inference: each token runs only its own FFN
+
+def sparse_ffn(block, cheap, a, m):
+    """a (B, T, d), m (B, T) -> eq. (4): the full FFN only on the batch's full-path tokens (one gather, one
+    write-back over the cheap result), the cheap FFN (r/d_ff of a full one) on every token; one path alone when
+    all agree. The full FFN's row count changes with the routing: GEMMs, LayerNorm and GELU on n rows, which CUDA
+    runs without per-shape setup (cuBLAS picks a kernel per call; unlike cuDNN attention, nothing is built per
+    length), so no bucketing. A captured graph would need one graph per n: decode_ffn avoids this path there."""
+    a2 = a.reshape(-1, a.size(-1))                                   # (N, d)
+    i_full = m.reshape(-1).nonzero().squeeze(1)                      # (n,): the one host sync, to know n
+    if i_full.numel() == a2.size(0):
+        return a + block.ffn_delta(a)                                # eq. (2); fp32 + bf16 promotes, no cast
+    out = a2 + cheap(a2)                                             # (N, d), eq. (3)
+    if i_full.numel():
+        x_full = a2.index_select(0, i_full)                          # (n, d)
+        out.index_copy_(0, i_full, x_full + block.ffn_delta(x_full))  # eq. (2)
+    return out.view_as(a)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cached decoding (state = (a KVCache per layer, the position as a 0-d tensor, the gates' inference form))
+
+class Model(CondDepthLM):
+    """The conditional-depth model with cached decoding: attention is unchanged, so every token's K/V is cached
+    at every layer; each decoded token runs the FFN its gate picks at each controlled layer."""
+
+    sparse_ffn = staticmethod(sparse_ffn)                            # model.sparse_ffn: bench.py times it
+
+    @torch.no_grad()
+    def prefill(self, idx):
+        """idx (B, T) -> (logits (B, V) of its last token, state); the prompt's FFNs run sparse."""
+        if self.mode != "causal":
+            raise NanorouteError("cached decoding routes causally: mode='topk' looks at future tokens "
+                                 "(use mode='causal', or generate(..., use_cache=False))")
+        L, C, S = self.cfg.n_layer, self.cfg.n_controlled, self.cfg.block_size
+        x = self.embed(idx)                                          # (B, T, d)
+        caches = []
+        folds = self.folds()
+        for i, block in enumerate(self.blocks):
+            j = i - (L - C)                                          # controlled (j >= 0): each token's own path
+            if j < 0:
+                x, cache = block.prefill(x, S)
+            else:
+                q, k, v = block.attn.qkv(block.ln_1(x))              # 3 × (B, nh, T, hs)
+                cache = common.KVCache(x.size(0), S, k, v)
+                a = x + block.attn.c_proj(block.attn.attend(q, k, v))  # eq. (1)
+                x = sparse_ffn(block, self.cheap[j], a, self.controller(j, a, folds[j])[0] > self.thresholds[j])
+            caches.append(cache)
+        return self.head(x[:, -1:])[0][:, -1], (caches, torch.tensor(idx.size(1), device=idx.device), folds)
+
+    @torch.no_grad()
+    def step(self, tok, state):
+        """tok (B, 1) at position pos (a 0-d tensor) against the preallocated caches: no shape depends on pos, so
+        torch.compile(mode="reduce-overhead") can capture the step as a CUDA graph."""
+        caches, pos, folds = state
+        L, C = self.cfg.n_layer, self.cfg.n_controlled
+        x = self.wte(tok) + self.wpe(pos)                            # (B, 1, d)
+        mask = common.past_mask(pos, self.cfg.block_size, caches[0].k.dtype)  # (1, S), once for every layer
+        for i, block in enumerate(self.blocks[:L - C]):
+            x = block.step(x, caches[i], pos, mask)
+        for j, block in enumerate(self.blocks[L - C:]):
+            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, 1, hs)
+            k, v = caches[L - C + j].append(pos, k, v)               # (B, nh, S, hs)
+            a = x + block.attn.c_proj(block.attn.attend(q, k, v, attn_mask=mask))  # eq. (1)
+            full = self.controller(j, a, folds[j])[0] > self.thresholds[j]  # (B, 1)
+            x = self.decode_ffn(block, self.cheap[j], a, full)
+        return self.head(x)[0][:, -1], (caches, pos + 1, folds)
+
+    @staticmethod
+    def decode_ffn(block, cheap, a, full):
+        """eq. (4) for one decoded token per row, a (B, 1, d), full (B, 1). Eager B = 1: the host reads the decision
+        (one sync) and runs that FFN alone, 6 ops like the dense block's. B > 1, or under torch.compile: both FFNs
+        and a select, branch-free with fixed shapes (a mixed batch reads both FFNs' weights anyway, and a captured
+        graph pays per graph and per sync, not per op: one graph for every token, none per decision)."""
+        if a.size(0) == 1 and not torch.compiler.is_compiling():
+            return sparse_ffn(block, cheap, a, full)
+        return a + torch.where(full[..., None], block.ffn_delta(a), cheap(a))  # (B, 1, d)
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
+        """common.LM.generate; mode="topk" re-routes the whole window each token (it has no causal cache)."""
+        return super().generate(idx, max_new_tokens, temperature, top_k, use_cache and self.mode == "causal")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -466,7 +466,7 @@ def test_loss_is_eq_19_with_each_lambda_on_its_own_term():
     torch.manual_seed(5)
     _, loss, st = m(x, y)
     ref = replay(m, x)
-    u_star = m.oracle_labels(prefix(m, x), y)
+    u_star = cd.oracle_labels(m, prefix(m, x), y)
     util = torch.stack([F.huber_loss(r["u"], us) for r, us in zip(ref, u_star)]).mean()     # eq. (17)
     torch.manual_seed(5)
     rank = torch.stack([cd.rank_loss(r["u"], us) for r, us in zip(ref, u_star)]).mean()     # eq. (18), same pairs
@@ -556,7 +556,7 @@ def test_oracle_labels_are_the_papers_per_token_fork():
     x, y = data(B=2, T=12)
     y[0, 5] = -1  # ignored targets contribute 0
     with torch.no_grad():
-        labels = m.oracle_labels(prefix(m, x), y)
+        labels = cd.oracle_labels(m, prefix(m, x), y)
         dense = window(forced_ce(m, x, y, {}), 3, 0.5)
         for j in range(3):
             expect = torch.zeros_like(dense)
@@ -575,12 +575,12 @@ def test_oracle_is_independent_of_the_gate_policy():
     m = make(n_layer=4, n_controlled=3, oracle_window=4)
     x, y = data(B=2, T=16)
     h = prefix(m, x)
-    a = m.oracle_labels(h, y)
+    a = cd.oracle_labels(m, h, y)
     with torch.no_grad():
         for g in m.gates:  # a different policy: other scores, another order
             g.head[2].weight.normal_(0, 5.0)
     m.train()(x, y)
-    assert all(torch.equal(p, q) for p, q in zip(a, m.oracle_labels(h, y)))
+    assert all(torch.equal(p, q) for p, q in zip(a, cd.oracle_labels(m, h, y)))
 
 
 def test_labels_only_on_label_steps_and_training_uses_them():
