@@ -26,33 +26,22 @@ controller under an exact top-k budget. Only the controller and the cheap path a
     (20) L_budget = 1/C Σ_l (p̄_l − ρ)²
     (21) L_alive  = 1/C Σ_l ReLU(p_min − p̄_l)
 
-Choices where the paper is silent: the gate reads the FFN sub-layer input a (eq. 1), the only state before
-the decision; the controller runs in fp32 under any autocast, from PyTorch's fan-in init (GPT's 0.02 init
-left var(u) ~ 1e-12: top-k by rounding); L_JEPA is averaged over the C layers; rank pairs are (t, π(t)), π a
-random permutation per sequence, ties dropped; A2 deranges targets with one random B·T-cycle. The oracle is
-"independent of the current gate policy" (§3.3): its full branch is the dense model, the cheap branch of
-(l, t) changes only token t's FFN at layer l; all B·T forks of a layer run in one batch, W positions each.
-P/D widths 64 in the paper preset give its trainable counts exactly (G1 828,484, G3 849,348).
+Deviations from the paper and choices where it is silent, one line each (results/conddepth.md says why):
+- the gate reads the FFN sub-layer input a (eq. 1), the only state that exists before the decision
+- the controller runs in fp32 under any autocast, from PyTorch's fan-in init (GPT's 0.02 gave var(u) ~ 1e-12)
+- inference routes causally: full iff u > θ_l, θ_l a running average of training's top-k cut (top-k sees the future)
+- the oracle forks each (l, t) from the dense prefix; all B·T forks of a layer run in one batch, W positions each
+- rank pairs are (t, π(t)), π a random permutation per sequence, ties dropped; L_JEPA is averaged over the C layers
+- A2 deranges the JEPA targets with one random B·T-cycle; eval never shuffles
+- the paper preset's P/D widths are 64 each: they give its trainable counts (G1 828,484, G3 849,348) exactly
+- controller_only=False also trains the backbone (the paper's future work; its frozen scope ends below the start)
 
-From a trained dense GPT (issue 12) the paper's scope (controller_only, §3.4, frozen backbone) ends worse than
-its start; controller_only=False (our deviation; the paper's future work) trains the backbone too.
+Training routes by exact top-k per sequence (eqs. 7–9); eval reports the causal hard loss and, as
+stats["soft_loss"], the top-k one (mode="topk" evaluates by top-k). θ starts at +∞ (all cheap; −∞ at ρ = 1) and
+is kept in the checkpoint. Inference runs G3 with its linear maps composed (GateG3.fold: 3 GEMMs, not 5).
+sparse=True runs the full FFN only on the full-path tokens, the cheap one (r/d_ff of a full FFN) on every token.
 
-Training vs inference. Training routes by exact top-k per sequence (eqs. 7–9), which looks at FUTURE tokens.
-What inference runs (eval, mode="causal", the default) routes each token alone: full iff u > θ_l, θ_l a
-running average of training's top-k cut (midway between the kB-th and next score), kept in the checkpoint;
-θ = +∞ before the first step (all cheap; −∞ at ρ = 1). Eval returns the causal hard loss and
-stats["soft_loss"], the top-k (training) one; mode="topk" evaluates the paper's non-causal top-k. Inference
-(no targets) runs G3 with its linear maps composed (GateG3.fold: the same u up to rounding, 3 GEMMs, not 5).
-sparse=True (same decisions) runs the full FFN only on the full-path tokens, the cheap one (r/d_ff of a full
-FFN) on every token of a mixed batch. Cached decoding (prefill/step): attention is unchanged, so every token's
-K/V is cached at every layer; at B = 1 a token runs only the cheap FFN (u ≤ θ_l) or only the full one.
-
-Compute proxies (paper §4), in FFN units of the C controlled layers (1 = one token through one full FFN,
-common.flops_ffn(d, 4d)), forward FLOPs:
-    infer_vs_full   = ρ + (1 − ρ)·r/d_ff + ctrl_infer/FFN
-    compute_vs_full = 1 + r/d_ff + ctrl_train/FFN + f_label·oracle/C
-ctrl: G1's MLP, or G3's W_c + P (twice) + D (+ T twice in training; unfolded); f_label: share of label steps;
-oracle: units per label step = dense pass C + cheap forks C·r/d_ff + W·C(C−1)/2 for the forks' later layers.
+The paper's compute proxies (§4) are infer_vs_full and compute_vs_full at the end of the file.
 """
 import math
 from dataclasses import dataclass, fields
@@ -146,7 +135,8 @@ class GateG1(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         h = cfg.g1_hidden or cfg.n_embd // 4
-        self.w1, self.w2 = nn.Linear(cfg.n_embd, h), nn.Linear(h, 1)
+        self.w1 = nn.Linear(cfg.n_embd, h)
+        self.w2 = nn.Linear(h, 1)
 
     def forward(self, a):
         return self.w2(F.silu(self.w1(a))).squeeze(-1), None        # u (B, T), eq. (10)
@@ -516,60 +506,48 @@ def sparse_ffn(block, cheap, a, m):
 # Cached decoding (state = (a KVCache per layer, the position as a 0-d tensor, the gates' inference form))
 
 class Model(CondDepthLM):
-    """The conditional-depth model with cached decoding: attention is unchanged, so every token's K/V is cached
-    at every layer; each decoded token runs the FFN its gate picks at each controlled layer."""
+    """CondDepthLM with cached decoding: attention is unchanged, so every token's K/V is cached at every layer,
+    and each token runs the FFN its gate picks at each controlled layer."""
 
     sparse_ffn = staticmethod(sparse_ffn)                            # model.sparse_ffn: bench.py times it
 
     @torch.no_grad()
     def prefill(self, idx):
-        """idx (B, T) -> (logits (B, V) of its last token, state); the prompt's FFNs run sparse."""
         if self.mode != "causal":
             raise NanorouteError("cached decoding routes causally: mode='topk' looks at future tokens "
                                  "(use mode='causal', or generate(..., use_cache=False))")
-        L, C, S = self.cfg.n_layer, self.cfg.n_controlled, self.cfg.block_size
-        x = self.embed(idx)                                          # (B, T, d)
-        caches = []
-        folds = self.folds()
-        for i, block in enumerate(self.blocks):
-            j = i - (L - C)                                          # controlled (j >= 0): each token's own path
-            if j < 0:
-                x, cache = block.prefill(x, S)
-            else:
-                q, k, v = block.attn.qkv(block.ln_1(x))              # 3 × (B, nh, T, hs)
-                cache = common.KVCache(x.size(0), S, k, v)
-                a = x + block.attn.c_proj(block.attn.attend(q, k, v))  # eq. (1)
-                x = sparse_ffn(block, self.cheap[j], a, self.controller(j, a, folds[j])[0] > self.thresholds[j])
-            caches.append(cache)
-        return self.head(x[:, -1:])[0][:, -1], (caches, torch.tensor(idx.size(1), device=idx.device), folds)
+        return self.step(idx, ([None] * self.cfg.n_layer, torch.tensor(0, device=idx.device), self.folds()))
 
     @torch.no_grad()
     def step(self, tok, state):
-        """tok (B, 1) at position pos (a 0-d tensor) against the preallocated caches: no shape depends on pos, so
-        torch.compile(mode="reduce-overhead") can capture the step as a CUDA graph."""
+        """tok (B, T') from position pos (a 0-d tensor) on; caches None (prefill): tok is the prompt, and they are
+        made. A decoded token writes its K/V at pos and reads the whole preallocated cache under a mask: no shape
+        depends on pos, so torch.compile(mode="reduce-overhead") can capture the step as one CUDA graph."""
         caches, pos, folds = state
-        L, C = self.cfg.n_layer, self.cfg.n_controlled
-        x = self.wte(tok) + self.wpe(pos)                            # (B, 1, d)
-        mask = common.past_mask(pos, self.cfg.block_size, caches[0].k.dtype)  # (1, S), once for every layer
-        for i, block in enumerate(self.blocks[:L - C]):
-            x = block.step(x, caches[i], pos, mask)
-        for j, block in enumerate(self.blocks[L - C:]):
-            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, 1, hs)
-            k, v = caches[L - C + j].append(pos, k, v)               # (B, nh, S, hs)
-            a = x + block.attn.c_proj(block.attn.attend(q, k, v, attn_mask=mask))  # eq. (1)
-            full = self.controller(j, a, folds[j])[0] > self.thresholds[j]  # (B, 1)
-            x = self.decode_ffn(block, self.cheap[j], a, full)
-        return self.head(x)[0][:, -1], (caches, pos + 1, folds)
-
-    @staticmethod
-    def decode_ffn(block, cheap, a, full):
-        """eq. (4) for one decoded token per row, a (B, 1, d), full (B, 1). Eager B = 1: the host reads the decision
-        (one sync) and runs that FFN alone, 6 ops like the dense block's. B > 1, or under torch.compile: both FFNs
-        and a select, branch-free with fixed shapes (a mixed batch reads both FFNs' weights anyway, and a captured
-        graph pays per graph and per sync, not per op: one graph for every token, none per decision)."""
-        if a.size(0) == 1 and not torch.compiler.is_compiling():
-            return sparse_ffn(block, cheap, a, full)
-        return a + torch.where(full[..., None], block.ffn_delta(a), cheap(a))  # (B, 1, d)
+        L, C, S = self.cfg.n_layer, self.cfg.n_controlled, self.cfg.block_size
+        prefill = caches[0] is None
+        x = self.embed(tok) if prefill else self.wte(tok) + self.wpe(pos)  # (B, T', d)
+        mask = None if prefill else common.past_mask(pos, S, caches[0].k.dtype)  # (1, S), made once per step
+        for i, block in enumerate(self.blocks):
+            q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T', hs)
+            if prefill:
+                caches[i] = common.KVCache(x.size(0), S, k, v)
+            else:
+                k, v = caches[i].append(pos, k, v)                   # (B, nh, S, hs)
+            a = x + block.attn.c_proj(block.attn.attend(q, k, v, attn_mask=mask))  # eq. (1); no mask: causal
+            j = i - (L - C)                                          # controlled: j >= 0
+            if j < 0:
+                x = a + block.ffn_delta(a)
+                continue
+            full = self.controller(j, a, folds[j])[0] > self.thresholds[j]  # (B, T')
+            # The prompt, and one token eagerly: each token runs only its FFN (one token: the host reads the decision,
+            # one sync, and runs that FFN alone). B > 1 or compiled: both FFNs and a select, no sync, fixed shapes (a
+            # mixed batch reads both FFNs' weights anyway; a captured graph pays per graph and sync, not per op).
+            if prefill or (x.size(0) == 1 and not torch.compiler.is_compiling()):
+                x = sparse_ffn(block, self.cheap[j], a, full)
+            else:
+                x = a + torch.where(full[..., None], block.ffn_delta(a), self.cheap[j](a))  # (B, 1, d), eq. (4)
+        return self.head(x[:, -1:])[0][:, -1], (caches, pos + tok.size(1), folds)
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
         """common.LM.generate; mode="topk" re-routes the whole window each token (it has no causal cache)."""
@@ -610,11 +588,15 @@ def label_fraction(cfg):
 
 
 def infer_vs_full(cfg):
+    """Paper §4, forward FLOPs in FFN units of the controlled layers (1 = one token through one full FFN):
+    ρ + (1 − ρ)·r/d_ff + ctrl_infer/FFN, ctrl: G1's MLP, or G3's W_c + P (twice) + D, unfolded as in the paper."""
     ffn, cheap = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd), cfg.cheap_rank / (4 * cfg.n_embd)  # cheap: r / d_ff
     return cfg.rho + (1 - cfg.rho) * cheap + controller_flops(cfg, train=False, folded=False) / ffn
 
 
 def compute_vs_full(cfg):
+    """Paper §4, training: 1 + r/d_ff + ctrl_train/FFN + f_label·oracle/C, f_label the share of label steps, oracle
+    the units per label step: dense pass C + cheap forks C·r/d_ff + W·C(C−1)/2 for the forks' later layers."""
     ffn, cheap = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd), cfg.cheap_rank / (4 * cfg.n_embd)
     C = cfg.n_controlled
     oracle = label_fraction(cfg) * (C + C * cheap + cfg.oracle_window * C * (C - 1) / 2) / C  # per label step

@@ -108,7 +108,7 @@ def test_classroom_preset_trains_jointly_from_scratch():
     assert all(getattr(cfg, k) == v for k, v in common.CLASSROOM.items())
 
 
-# ---- the model contract on every device × dtype (issue 16) -----------------------------------------
+# ---- the model contract on every device × dtype ----------------------------------------------------
 
 @pytest.mark.parametrize("gate", ["G1", "G3"])
 @pytest.mark.parametrize("mode", ["causal", "topk"])
@@ -181,7 +181,7 @@ def test_batch_one_decoding_takes_one_path_per_layer(dev):
 def test_compiled_decode_has_fixed_shapes(B):
     """torch.compile(step) decodes the eager step's tokens and compiles no graph after the first tokens: no shape
     depends on the position (what a CUDA-graph capture needs). Mixed routing: both paths are taken, also by the
-    compiled step, which runs them branch-free (decode_ffn)."""
+    compiled step, which runs them branch-free (Model.step)."""
     m = calibrated(make(torch.float32, gate="G3", block_size=24)).eval()
     prompt = data(B=B, T=6, seed=3)[0]
     assert compiled_decode_matches(m, prompt, n=12) <= 2
@@ -671,7 +671,7 @@ def test_init_from_dense_checkpoint_rho1_reproduces_dense(data_dir, tmp_path):
 
 
 def test_finetune_from_a_dense_start_controller_only_vs_joint(data_dir, tmp_path):
-    """Issue 12 item 3. Controller-only (the paper's scope) leaves the dense start untouched: routing every
+    """Controller-only (the paper's scope) leaves the dense start untouched: routing every
     token full gives the start's logits exactly, so the routed model can only lose what the cheap path does
     not recover. controller_only=false (the fine-tune recipe) trains the backbone too, and still the routers."""
     gpt_dir = str(tmp_path / "gpt")
