@@ -13,23 +13,26 @@ through W_V·W_O alone (linear path: the token attends only to itself); every to
   (6) M = g̃ g̃ᵀ ∧ causal                                           routed tokens see only earlier routed tokens
   (7) L = CE + λ Σ_l α_l · mean_i g_attn,i^(l),  α_l = f_l / Σ_j f_j,  f_l = Σ_i δ_i^(l)  (no gradient through α)
 
-Eq. (7) in the paper writes ‖G[:,0]‖₁; like the authors' code we take the mean over tokens, so λ = 8e-4 does
-not depend on the sequence length. The first and last layers are always T (paper, "Architectural Design
-Choices"; the authors' released model code instead makes its *listed* layers dense, i.e. routes the first and
-last layers: we follow the paper). Variants: `skip` (δ ≡ 0, paper A3) and `no_vo` (the bypass uses LN1(x)
-itself instead of LN1(x) W_V W_O, paper A5).
+Variants: `skip` (δ ≡ 0, paper A3) and `no_vo` (the bypass uses LN1(x) itself instead of LN1(x) W_V W_O, A5).
+Deviations from the paper, one line each (why: results/dtrnet.md, "Choices … and deviations"):
+  - eq. (7) takes the mean over tokens, not ‖G[:,0]‖₁ (as the authors' code): λ = 8e-4 does not depend on T.
+  - the first and last layers are T, as the paper says (the authors' released code routes them instead).
+  - nanoGPT's GELU MLP of width 4d, learned positions, full multi-head attention (paper: SwiGLU, RoPE, GQA).
+  - LayerNorm by default (`norm=rmsnorm` gives the paper's RMSNorm; the paper preset uses it).
+  - no "route 15% of the tokens when none is routed" fallback (the authors' training code has one).
+  - cached decoding computes Q, K and attention for a bypassed token too and discards them (fixed shapes).
 
 Paths (all with the same hard decisions δ):
   - training and `model(idx, sparse=True)` pack each row's routed tokens to the front (a stable sort keeps
     their order), so eq. (6) among them is plain causal SDPA on (B, nh, R, hs) — a flash kernel, no mask;
-    bypassed tokens pay only W_V and W_O. One host sync per D layer reads R = max routed count.
+    bypassed tokens pay only W_V and W_O. One host sync per D layer reads R (bucketed: see pack_length).
   - `model.eval()` with sparse=False: the reference, eq. (6) as a dense (B, 1, T, T) boolean mask.
-  - cached decoding, `prefill(idx)` (the packed forward, one batch) then `step(tok, state)`. T layers cache
-    every token; a D layer caches K/V of its routed tokens only — a bypassed token has no key there (eq. 6:
-    no later token attends to it), so at decode it skips Q, K and attention and contributes nothing to that
-    layer's cache; it still pays the router, W_V, W_O, the MLP and its K/V in every T layer.
-Numerics (common.py's policy): fp32 residual stream, router probabilities in fp32, deltas cast where added,
-caches typed from the first K/V they receive.
+  - cached decoding, `prefill(idx)` (the packed forward, one batch) then `step(tok, state)` with fixed shapes
+    (torch.compile captures one graph per step: a CUDA graph on CUDA). T layers cache every token; a D layer
+    keeps K/V of its routed tokens only — a bypassed token has no key there (eq. 6: no later token attends
+    to it), so it does not advance that layer's cache.
+Numerics (common.py's policy): fp32 residual stream, router probabilities in fp32, caches typed from the
+first K/V they receive.
 """
 from dataclasses import dataclass
 
@@ -101,8 +104,17 @@ PRESETS = {"paper": dict(n_layer=32, n_embd=960, n_head=15, block_size=2048, lay
            "classroom": dict(common.CLASSROOM, layers="trilayer", lam=8e-4)}
 
 
+# --compile on CUDA is refused. On an H100, inductor failed to build DTRNet's training step: Triton could not lower
+# (make_ttgir: "PassManager::run failed") the one reduction kernel into which it fused the cross-entropy with
+# eq. (7) and the routing stats (router softmax, stack, mean, clamp_min, div). That kernel has nothing to do with
+# the routed lengths (bucketed now), the stats were rewritten since, and no GPU was at hand to show that the new
+# kernel compiles: refusing is the honest choice until a CUDA run passes tests/test_common.py's compile test.
+COMPILE_REFUSED = {"cuda": "Triton failed to compile DTRNet's fused loss + routing-stats kernel on an H100 "
+                           "(make_ttgir: PassManager::run failed); train without --compile on CUDA"}
+
+
 # ----------------------------------------------------------------------------------------------------
-# Modules
+# Router, eq. (1)
 
 class Router(nn.Module):
     """Eq. (1): two-layer MLP on the residual stream -> probabilities [g_attn, g_bypass] in fp32."""
@@ -114,7 +126,8 @@ class Router(nn.Module):
 
     def forward(self, x):
         z = self.w2(F.silu(self.w1(x)))  # (B, T, 2) logits; bf16/fp16 under autocast
-        return F.softmax(z, dim=-1, dtype=torch.promote_types(z.dtype, torch.float32))  # at least fp32
+        fp = torch.float64 if z.dtype == torch.float64 else torch.float32  # at least fp32
+        return F.softmax(z, dim=-1, dtype=fp)  # (B, T, 2)
 
 
 def router_params(cfg):
@@ -122,6 +135,9 @@ def router_params(cfg):
     h = cfg.n_embd // 2
     return cfg.n_embd * h + h * 2 + (h + 2) * cfg.bias
 
+
+# ----------------------------------------------------------------------------------------------------
+# Block
 
 class DTRBlock(common.Block):
     """A D layer: common.Block's parameters (so a dense checkpoint loads) plus a router."""
@@ -132,11 +148,14 @@ class DTRBlock(common.Block):
         self.variant = cfg.variant
 
     def route(self, x):
-        g_attn, g_bypass = self.router(x).unbind(-1)  # 2 × (B, T)   eq. (1), on the residual stream x
-        delta = g_attn > g_bypass                       # (B, T)       eq. (2)
+        """x (B, T, C) -> g_attn (B, T) (eq. 1, on the residual stream), g (B, T): the probability of the
+        chosen path, δ (B, T) bool (eq. 2). 8 ops under autocast: x's cast, W1, SiLU, W2, the fp32 cast, softmax,
+        the comparison and g's where."""
+        g_attn, g_bypass = self.router(x).unbind(-1)  # 2 × (B, T) fp32
+        delta = g_attn > g_bypass                       # (B, T)
         if self.variant == "skip":                      # A3: no token ever reaches attention
             delta = torch.zeros_like(delta)
-        return g_attn, g_bypass, delta
+        return g_attn, torch.where(delta, g_attn, g_bypass), delta
 
     def proj(self, h, part):
         """Slices of the fused c_attn: part 'qk' -> LN1(x) [W_Q W_K] (B, T, 2C), 'v' -> LN1(x) W_V (B, T, C)."""
@@ -144,19 +163,18 @@ class DTRBlock(common.Block):
         s = slice(0, 2 * C) if part == "qk" else slice(2 * C, 3 * C)
         return F.linear(h, W[s], None if b is None else b[s])
 
-    def mix(self, a, h, v, delta, g_attn, g_bypass):
-        """Eqs. (3)+(5): routed rows take attention output a, bypassed rows their own value v; W_O; then the
-        chosen path is scaled by its router probability (this carries the LM gradient into the router)."""
+    def mix(self, x, a, h, v, delta, g):
+        """Eqs. (3)+(5): x + g · W_O(routed rows: attention output a; bypassed rows: their own value v). The
+        router probability g scales the chosen path: this carries the LM gradient into the router."""
         y = self.attn.c_proj(torch.where(delta[..., None], a, v))  # (B, T, C)
         if self.variant == "no_vo":                                  # A5: bypass without W_V W_O
             y = torch.where(delta[..., None], y, h)
-        g = torch.where(delta, g_attn, g_bypass)                     # (B, T) fp32
-        return self.attn.resid_dropout(g[..., None] * y)             # (B, T, C) fp32
+        return torch.addcmul(x, g[..., None], self.attn.resid_dropout(y))  # x + g·y in one op, fp32
 
-    def attn_delta_masked(self, x):
+    def attend_masked(self, x):
         """Reference: attention over all tokens with the boolean mask of eq. (6)."""
         h = self.ln_1(x)
-        g_attn, g_bypass, delta = self.route(x)
+        g_attn, g, delta = self.route(x)
         q, k, v = self.attn.qkv(h)  # (B, nh, T, hs)
         T = x.size(1)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
@@ -166,34 +184,51 @@ class DTRBlock(common.Block):
         mask = (delta[:, None, :, None] & delta[:, None, None, :] & causal) | eye  # (B, 1, T, T)
         a = self.attn.attend(q, k, v, mask)                                        # (B, T, C)
         v = v.transpose(1, 2).reshape_as(a)                                        # (B, T, C)
-        return self.mix(a, h, v, delta, g_attn, g_bypass), g_attn, delta, None
+        return self.mix(x, a, h, v, delta, g), g_attn, delta, None
 
-    def attn_delta_packed(self, x):
+    def attend_packed(self, x):
         """Training, sparse inference and prefill: gather each row's routed tokens into a (B, R) packed batch,
-        causal SDPA on those only, scatter back. Also returns their K, V (B, nh, R, hs) for a cache."""
+        causal SDPA on those only, scatter back. Also returns their K, V (B, R, C) for a cache."""
+        # ops beyond the dense block's 12 (bf16 autocast): route() 8; the split projections 4 (a second matmul,
+        # h cast twice, the weight slices cast every call); packing 7 (R: sum, max, sync; sort; 2 gathers;
+        # scatter); mix()'s where 1
         h = self.ln_1(x)
-        g_attn, g_bypass, delta = self.route(x)
+        g_attn, g, delta = self.route(x)
         v = self.proj(h, "v")  # (B, T, C): every token needs its value (eq. 5)
         a, kv = v, None
-        R = int(delta.sum(1).max())  # host sync (one per D layer): the packed length
-        if R > 0:
+        R = pack_length(delta)  # host sync (one per D layer)
+        if R:
             B, T, C = h.shape
             # a stable sort puts routed tokens first, in their original order, so for a real query i < R_b
-            # every key j <= i is real: plain causal SDPA is "key-padding ∧ causal" and no row is empty
-            # (padding queries at the end see real keys; their outputs land on bypassed slots, dropped by mix)
-            order = torch.argsort((~delta).to(torch.int8), dim=1, stable=True)[:, :R]  # (B, R)
+            # every key j <= i is real: plain causal SDPA is "key-padding ∧ causal" and no row is empty.
+            # Padding queries (i >= R_b: bypassed tokens) see real keys; mix() replaces their outputs by v.
+            order = torch.sort(delta, dim=1, descending=True, stable=True)[1][:, :R]  # (B, R)
             idx = order[..., None].expand(B, R, C)
-            q, k = self.proj(torch.gather(h, 1, idx), "qk").chunk(2, dim=-1)       # 2 × (B, R, C)
+            q, k = self.proj(torch.gather(h, 1, idx), "qk").chunk(2, dim=-1)  # 2 × (B, R, C)
+            vr = torch.gather(v, 1, idx)                                       # (B, R, C)
             split = self.attn.split_heads
-            q, k, vr = split(q), split(k), split(torch.gather(v, 1, idx))          # (B, nh, R, hs)
-            a = v.scatter(1, idx, self.attn.attend(q, k, vr).to(v.dtype))         # (B, T, C)
+            a = v.scatter(1, idx, self.attn.attend(split(q), split(k), split(vr)))  # (B, T, C)
             kv = (k, vr)
-        return self.mix(a, h, v, delta, g_attn, g_bypass), g_attn, delta, kv
+        return self.mix(x, a, h, v, delta, g), g_attn, delta, kv
 
     def forward(self, x, packed=False):
-        d, g_attn, delta, kv = (self.attn_delta_packed if packed else self.attn_delta_masked)(x)
-        x = x + d
-        return x + self.ffn_delta(x).to(x.dtype), g_attn, delta, kv
+        x, g_attn, delta, kv = (self.attend_packed if packed else self.attend_masked)(x)
+        return x + self.ffn_delta(x), g_attn, delta, kv  # fp32 + bf16 promotes: no cast op
+
+    def step(self, x, cache):
+        """One new token x (B, 1, C) against this layer's RoutedKVCache. Every row computes Q, K, V and
+        attends (fixed shapes, no host sync); a bypassed row's K/V is not kept (see RoutedKVCache.append) and
+        its attention output is replaced by its own value (eq. 5)."""
+        # ops beyond common.Block.step's 14: route() 8; the routed cache 1 (one K|V write instead of two, plus
+        # the mask slot and the count); mix()'s where 1
+        h = self.ln_1(x)
+        g_attn, g, delta = self.route(x)  # (B, 1)
+        C = x.size(-1)
+        qkv = self.attn.c_attn(h)  # (B, 1, 3C)
+        K, V, mask = cache.append(qkv[..., C:], delta[:, 0])  # 2 × (B, nh, S, hs), (B, 1, 1, S)
+        a = self.attn.attend(self.attn.split_heads(qkv[..., :C]), K, V, attn_mask=mask)  # (B, 1, C)
+        x = self.mix(x, a, h, qkv[..., 2 * C:], delta, g)
+        return x + self.ffn_delta(x)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,15 +265,19 @@ class Model(common.LM):
         logits, lm_loss = self.head(x, targets)
         stats, rl = {}, 0.0
         if routes:
-            g_means = torch.stack([g.mean() for g, _, _ in routes])          # (L_D,) mean g_attn per layer
-            fracs = torch.stack([d.float().mean() for _, d, _ in routes])    # (L_D,) f_l / (B·T)
-            rl = routing_loss(g_means, fracs)  # eq. (7)
+            fracs = torch.stack([d for _, d, _ in routes]).mean((1, 2), dtype=torch.float32)  # (L_D,) f_l / (B·T)
+            skips = 1 - fracs                                                                # (L_D,)
             T = idx.size(1)
-            ratio = flops_per_token(self.cfg, T, fracs) / common.dense_flops_per_token(self.cfg, T)
-            stats.update(route_loss=rl.detach(), frac_attn=fracs.mean(), skipped=1 - fracs.mean(),
-                         flops_ratio=ratio, flops_saved_hard=1 - ratio)  # tensor math, no sync
-            for i, f in zip(self.d_layers, fracs):
-                stats[f"frac_l{i}"], stats[f"skip_l{i}"] = f, 1 - f  # routed to attention / bypassed
+            fixed, a, b = flops_terms(self.cfg, T)
+            ratio = (fixed + (fracs * (a + b * fracs)).sum()) / common.dense_flops_per_token(self.cfg, T)
+            frac = fracs.mean()
+            stats.update(frac_attn=frac, skipped=1 - frac, flops_ratio=ratio, flops_saved_hard=1 - ratio)
+            for j, i in enumerate(self.d_layers):
+                stats[f"frac_l{i}"], stats[f"skip_l{i}"] = fracs[j], skips[j]  # routed to attention / bypassed
+            if targets is not None:
+                g_means = torch.stack([g for g, _, _ in routes]).mean((1, 2))  # (L_D,) mean g_attn per layer
+                rl = routing_loss(g_means, fracs)  # eq. (7)
+                stats["route_loss"] = rl.detach()
         loss = None
         if targets is not None:
             loss = lm_loss + self.cfg.lam * rl
@@ -259,95 +298,40 @@ class Model(common.LM):
         return m, [f"layer {i}" for i in self.d_layers], ("bypass (W_V·W_O)", "attention")
 
     # ------------------------------------------------------------------------------------------------
-    # Cached decoding (common.LM.generate drives it): state = (one cache per layer, position).
+    # Cached decoding (common.LM.generate drives it): state = (one cache per layer, position as a 0-d tensor,
+    # the T layers' additive mask (1, S)). Every buffer is preallocated to block_size and written in place.
 
     @torch.no_grad()
     def prefill(self, idx):
-        """idx (B, T) -> logits (B, V) of the last position and the caches, from one packed forward."""
-        B, T = idx.shape
+        """idx (B, T) -> logits (B, V) of the last position and the decode state, from one packed forward."""
+        S = self.cfg.block_size
         x, caches = self.embed(idx), []  # (B, T, C)
         for block in self.blocks:
             if isinstance(block, DTRBlock):
                 x, _, delta, kv = block(x, packed=True)
-                caches.append(RoutedKVCache(delta.sum(1), self.cfg.block_size, *(kv or ())))
+                caches.append(RoutedKVCache(delta.sum(1), caches[0].k, kv))
             else:
-                x, cache = block.prefill(x, self.cfg.block_size)
+                x, cache = block.prefill(x, S)
                 caches.append(cache)
-        return self.head(x[:, -1:])[0][:, -1], (caches, T)
+        pos = torch.tensor(idx.size(1), device=idx.device)
+        mask = common.past_mask(pos - 1, S, caches[0].k.dtype)  # (1, S): 0 at the prefilled positions
+        torch._dynamo.mark_static_address(mask)                 # written in place by every step
+        return self.head(x[:, -1:])[0][:, -1], (caches, pos, mask)
 
     @torch.no_grad()
     def step(self, tok, state):
-        """tok (B, 1) at position pos -> logits (B, V) and the state with its K/V appended."""
-        caches, pos = state
-        if pos >= self.cfg.block_size:
-            raise NanorouteError(f"position {pos} is past block_size {self.cfg.block_size}: prefill a new window")
-        x = self.wte(tok) + self.wpe.weight[pos]  # (B, 1, C)
+        """tok (B, 1) at position pos -> logits (B, V) and the state with its K/V written."""
+        caches, pos, mask = state
+        if not torch.compiler.is_compiling() and int(pos) >= self.cfg.block_size:  # eager only: one host sync
+            raise NanorouteError(f"position {int(pos)} is past block_size {self.cfg.block_size}: prefill a new window")
+        x = self.wte(tok) + self.wpe(pos)       # (B, 1, C)
+        mask.index_fill_(1, pos.view(1), 0.0)   # (1, S): T layers see positions 0..pos (one op, not past_mask's 4)
         for block, cache in zip(self.blocks, caches):
-            if not isinstance(block, DTRBlock):
-                x = block.step(x, cache, pos)
-                continue
-            h = block.ln_1(x)
-            g_attn, g_bypass, delta = block.route(x)  # (B, 1)
-            v = block.proj(h, "v")                    # (B, 1, C)
-            a = v
-            if delta.any():  # host sync (one per D layer): a token no row routes skips Q, K and attention
-                split = block.attn.split_heads
-                q, k = block.proj(h, "qk").chunk(2, dim=-1)                # 2 × (B, 1, C)
-                K, V, valid = cache.append(split(k), split(v), delta[:, 0])  # (B, nh, L, hs), (B, L)
-                # a bypassed row's result is dropped by mix(); letting it see every slot avoids all -inf
-                a = block.attn.attend(split(q), K, V, (valid | ~delta)[:, None, None, :])  # (B, 1, C)
-            x = x + block.mix(a, h, v, delta, g_attn, g_bypass)
-            x = x + block.ffn_delta(x).to(x.dtype)
-        return self.head(x)[0][:, -1], (caches, pos + 1)
-
-
-class RoutedKVCache:
-    """K/V of one D layer for its routed tokens only, packed per row: row b holds n[b] valid slots in token
-    order. Allocated from the first K/V it receives (their dtype); the capacity doubles when full (O(S)
-    copying in all, memory <= 2× the routed tokens and never above block_size: the paper's KV saving).
-    `bound` is a host-side upper bound on n.max(), so an append needs a host sync only near capacity."""
-
-    def __init__(self, n, block_size, k=None, v=None):
-        self.n, self.block_size = n, block_size  # n: (B,) valid slots per row
-        self.k = self.v = None
-        self.bound = 0
-        if k is not None:  # prefill: k, v (B, nh, R, hs) packed, slots >= n[b] are padding
-            self.reserve(k, k.size(2))
-            self.k[:, :, :k.size(2)], self.v[:, :, :k.size(2)] = k, v
-            self.bound = k.size(2)
-
-    def reserve(self, like, need):
-        cap = 0 if self.k is None else self.k.size(2)
-        if need <= cap:
-            return
-        new = min(self.block_size, max(2 * cap, need, 16))
-        k, v = like.new_zeros(*like.shape[:2], new, like.size(3)), like.new_zeros(*like.shape[:2], new, like.size(3))
-        if cap:
-            k[:, :, :cap], v[:, :, :cap] = self.k, self.v
-        self.k, self.v = k, v  # (B, nh, capacity, hs)
-
-    def append(self, k, v, routed):
-        """k, v (B, nh, 1, hs) of the new token; routed (B,). Every row writes at its slot n[b] (a row that did
-        not route writes past its valid slots: harmless), then n += routed. Returns the first `bound` slots
-        K, V (B, nh, L, hs) and which are valid (B, L)."""
-        if self.k is None or self.bound == self.k.size(2):
-            self.bound = int(self.n.max())  # host sync, only when the capacity might be reached
-            self.reserve(k, self.bound + 1)
-        slot = self.n.view(-1, 1, 1, 1).expand_as(k)  # (B, nh, 1, hs)
-        self.k.scatter_(2, slot, k.to(self.k.dtype))
-        self.v.scatter_(2, slot, v.to(self.v.dtype))
-        self.n = self.n + routed
-        self.bound += 1
-        valid = torch.arange(self.bound, device=k.device) < self.n[:, None]  # (B, L)
-        return self.k[:, :, :self.bound], self.v[:, :, :self.bound], valid
-
-
-def kv_cache_bytes(state):
-    """(bytes this cache holds, bytes a dense model's cache holds: every layer preallocated to block_size)."""
-    caches, _ = state
-    held = sum(c.k.numel() * c.k.element_size() * 2 for c in caches if c.k is not None)
-    t = next(c for c in caches if isinstance(c, common.KVCache))  # the first layer is always T
-    return held, len(caches) * 2 * t.k.numel() * t.k.element_size()
+            if isinstance(block, DTRBlock):
+                x = block.step(x, cache)
+            else:
+                x = block.step(x, cache, pos, mask)
+        return self.head(x)[0][:, -1], (caches, pos + 1, mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -362,32 +346,103 @@ def routing_loss(g_means, fracs):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Sparse inference (and training): the packed length
+
+PACK_MULTIPLE = 64  # packed lengths are rounded up to a multiple of this
+
+
+def pack_length(delta):
+    """δ (B, T) -> R: the largest number of tokens a row routes, rounded up to a multiple of PACK_MULTIPLE
+    (at most T); 0 when no row routes. One host sync: the packed batch's shape."""
+    n = int(delta.sum(1).max())
+    # Bucketed, so that shapes do not change with the routing. Without it nearly every training step meets a
+    # new packed length, and on CUDA under bf16 SDPA sends those to cuDNN attention, which builds a new plan
+    # per shape (DTRNet's H100 training step: 143 ms vs 10.3 ms fp32; torch.compile recompiles per shape too).
+    # With buckets a run sees at most T/64 lengths, each set up once, on every backend; restricting SDPA's
+    # backends (sdpa_kernel) would fix cuDNN only, as global state around every call. The padding rows are
+    # bypassed tokens (see attend_packed): the result is the same function.
+    return 0 if n == 0 else min(delta.size(1), -(-n // PACK_MULTIPLE) * PACK_MULTIPLE)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoding: the routed KV cache
+
+class RoutedKVCache:
+    """K/V of one D layer for its routed tokens only, packed per row: row b holds n[b] tokens in slots
+    0..n[b]-1, in token order. Preallocated to block_size slots, so a decode step's shapes never change; K and
+    V share one buffer (B, S, 2C), so a step writes both with one op; an additive mask (B, S) in the cache's
+    dtype (0: a slot the next query may see) is kept beside it, so no step builds one."""
+
+    def __init__(self, n, like, kv=None):
+        """n (B,) routed tokens per row; like: a T layer's K buffer (B, nh, S, hs), whose dtype, heads and
+        length S this cache takes; kv: the routed tokens' (K, V), each (B, R, C), packed to the front (slots
+        >= n[b] are padding), or None when no row routed a token."""
+        B, self.n_head, S, hs = like.shape
+        self.n = n                                            # (B,) long
+        self.kv = like.new_zeros(B, S, 2 * self.n_head * hs)  # (B, S, 2C)
+        if kv is not None:
+            self.kv[:, :kv[0].size(1)] = torch.cat(kv, -1)
+        slots = torch.arange(S, device=n.device)
+        self.mask = like.new_zeros(B, S).masked_fill_(slots >= n[:, None], float("-inf"))  # (B, S)
+        for t in (self.n, self.kv, self.mask):  # written in place by a captured step: a fixed address
+            torch._dynamo.mark_static_address(t)
+
+    def heads(self):
+        """K, V: (B, nh, S, hs) views of the shared buffer."""
+        B, S, C2 = self.kv.shape
+        split = lambda t: t.view(B, S, self.n_head, C2 // 2 // self.n_head).transpose(1, 2)  # noqa: E731
+        return split(self.kv[..., :C2 // 2]), split(self.kv[..., C2 // 2:])
+
+    def append(self, kv, routed):
+        """kv (B, 1, 2C): K and V of the new token; routed (B,) bool. Every row writes at its slot n[b] and may
+        see slots 0..n[b]; only a routed row advances n[b]. A bypassed row's K/V is overwritten by the row's next
+        token before any later query sees it, and its own attention output is not used (mix() takes v).
+        Returns K, V (B, nh, S, hs) and the mask (B, 1, 1, S)."""
+        B, _, C2 = kv.shape
+        self.kv.scatter_(1, self.n.view(B, 1, 1).expand(B, 1, C2), kv)  # (B, S, 2C)
+        self.mask.scatter_(1, self.n.view(B, 1), 0.0)                     # (B, S)
+        self.n.add_(routed)
+        K, V = self.heads()
+        return K, V, self.mask[:, None, None, :]
+
+
+def kv_cache_bytes(state):
+    """(bytes of K/V the cache holds, bytes a dense model's cache holds: every layer at block_size). T layers
+    count their preallocated block_size slots; D layers count only the routed entries in use (Σ_b n[b] slots),
+    not their preallocated buffers: what a cache sized to its routed tokens holds (the paper's KV saving)."""
+    caches = state[0]
+    t = caches[0].k  # (B, nh, S, hs): the first layer is always T
+    per_token = 2 * t.size(1) * t.size(3) * t.element_size()  # K and V of one token in one layer
+    slots = [int(c.n.sum()) if isinstance(c, RoutedKVCache) else t.size(0) * t.size(2) for c in caches]
+    return sum(slots) * per_token, len(caches) * t.size(0) * t.size(2) * per_token
+
+
+# ----------------------------------------------------------------------------------------------------
 # Accounting: forward FLOPs per token from common.py's functions
 
 def flops_router(d):
     return 2 * (d * (d // 2) + (d // 2) * 2)
 
 
-def flops_per_token(cfg, T, rho, hidden=None, pattern=None):
-    """rho: fraction of tokens routed to attention in each D layer (a float or one value per D layer).
-    A routed token pays Q, K, V, W_O and scores over the ~rho·mean_context(T) routed keys before it; a
-    bypassed token pays V and W_O; every D-layer token pays the router and the MLP. hidden: MLP width
-    (4d for our GELU MLP; a SwiGLU of width h costs like hidden = 1.5h)."""
+def flops_terms(cfg, T, hidden=None, pattern=None):
+    """(fixed, a, b): forward FLOPs per token = fixed + Σ_l (a·ρ_l + b·ρ_l²) over the D layers, ρ_l the share
+    of tokens routed to attention there. A routed token pays Q, K (a: 2/3 of QKV) and scores over the
+    ~ρ·mean_context(T) routed keys before it (b); every D-layer token pays the router, V, W_O and the MLP.
+    hidden: MLP width (4d for our GELU MLP; a SwiGLU of width h costs like hidden = 1.5h)."""
     d, hidden = cfg.n_embd, hidden or 4 * cfg.n_embd
     pattern = pattern or cfg.pattern
-    n_d = pattern.count("D")
-    rho = rho if hasattr(rho, "__len__") else [rho] * n_d  # floats or a (L_D,) tensor
-    dense = (common.flops_qkv(d) + common.flops_attn_out(d) + common.flops_ffn(d, hidden)
-             + common.flops_attn_scores(d, common.mean_context(T)))
-    total, j = common.flops_lm_head(d, cfg.vocab_size), 0
-    for c in pattern:
-        if c == "T":
-            total += dense
-            continue
-        r = rho[j]; j += 1
-        total += (flops_router(d) + common.flops_qkv(d) * (1 + 2 * r) / 3 + common.flops_attn_out(d)
-                  + common.flops_ffn(d, hidden) + r * common.flops_attn_scores(d, r * common.mean_context(T)))
-    return total
+    attn_scores = common.flops_attn_scores(d, common.mean_context(T))
+    dense = common.flops_qkv(d) + common.flops_attn_out(d) + common.flops_ffn(d, hidden) + attn_scores
+    d_fixed = flops_router(d) + common.flops_qkv(d) / 3 + common.flops_attn_out(d) + common.flops_ffn(d, hidden)
+    fixed = common.flops_lm_head(d, cfg.vocab_size) + pattern.count("T") * dense + pattern.count("D") * d_fixed
+    return fixed, 2 * common.flops_qkv(d) / 3, attn_scores
+
+
+def flops_per_token(cfg, T, rho, hidden=None, pattern=None):
+    """rho: share of tokens routed to attention in each D layer (a float, or one value per D layer)."""
+    fixed, a, b = flops_terms(cfg, T, hidden, pattern)
+    rho = rho if hasattr(rho, "__len__") else [rho] * (pattern or cfg.pattern).count("D")
+    return fixed + sum(a * r + b * r * r for r in rho)
 
 
 def flops_ratio(cfg, T, rho, hidden=None, pattern=None):
