@@ -1,51 +1,50 @@
 """
 hybrid_attn.py: "Adaptive Attention Selection: A Proof-of-Concept for Dynamic Routing in Linear Transformers"
-(the paper in ../shared/papers/003), with Gated DeltaNet (Yang, Kautz, Hatamizadeh, "Gated Delta Networks:
-Improving Mamba2 with Delta Rule", ICLR 2025) written in plain PyTorch.
+(../shared/papers/003), with Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025) in plain PyTorch.
 
-Layers follow a pattern string: G = Gated DeltaNet, S = softmax attention, R = routed (holds both; a router
-picks one per token). Paper §2.1: `G R R S`. Every layer is pre-norm mixer + pre-norm MLP.
+Layers follow a pattern: G = Gated DeltaNet, S = softmax attention, R = routed (holds both; a router picks
+one per token). Paper §2.1: `G R R S`. Every layer is pre-norm mixer + pre-norm MLP.
+    routing (§2.2, parallel): one router reads layer 0's output h₀ and gives 2-way logits z_l for every routed
+        layer l at once; a routed layer outputs y_G·GDN(x) + y_S·Attn(x). Train: Gumbel-softmax, hard
+        straight-through y = onehot(argmax(z+γ)) − sg(p_τ) + p_τ, p_τ = softmax((z+γ)/τ). Eval: argmax z.
+    balance (Switch):  L_balance = N·Σ_i f_i·P_i  (N = 2; 1 balanced, 2 collapsed), f_i the fraction of tokens
+        sent to mixer i, P_i the mean router probability;  loss = L_lm + α·mean_l L_balance,  α = 0.01
+    gated delta rule (per head; S ∈ R^{K×V}, g_t ≤ 0 the log decay, β_t ∈ (0,1)):
+        S_t = e^{g_t}·S_{t−1};   u_t = β_t·(v_t − S_tᵀ k_t);   S_t ← S_t + k_t u_tᵀ;   o_t = S_tᵀ q_t
+    GDN layer: q,k,v = SiLU(causal depthwise conv₄(W_{q,k,v} x)); q,k L2-normalised, q scaled by K^−½;
+        β = σ(W_b x);  g = −exp(A_log)·softplus(W_a x + dt_bias);  y = W_o(RMSNorm_head(o) ⊙ SiLU(W_g x))
+    chunkwise form (WY / UT transform; chunks of C tokens, S₀ the state entering one, L_ij = Σ_{j<s≤i} g_s
+    summed from j+1, never as a difference of two large cumulative sums, Γ_i = L_{i,−1} the decay since its start):
+        (I + A) [W U₀] = [diag(β e^Γ) K, diag(β) V],   A_ij = β_i e^{L_ij} k_i·k_j  (i > j)
+        O = (diag(e^Γ) Q − (QKᵀ ⊙ M) W) S₀ + (QKᵀ ⊙ M) U₀,   M_ij = e^{L_ij} (i ≥ j), 0 above
+        next S₀ = P S₀ + R,   P = e^{Γ_C} I − Kᵀ diag(e^{L_{C,·}}) W,   R = Kᵀ diag(e^{L_{C,·}}) U₀
+The state math runs in fp32 (fp64 for fp64 inputs) with autocast off. On CUDA under autocast, fla's Triton
+kernel (pip install fla-core) replaces the chunked form when it is installed (use_fla=false: never).
 
-Gated delta rule (per head; S ∈ R^{K×V}, g_t ≤ 0 the log decay, β_t ∈ (0,1)):
-    S_t = exp(g_t)·S_{t−1};   u_t = β_t·(v_t − S_tᵀ k_t);   S_t ← S_t + k_t u_tᵀ;   o_t = S_tᵀ q_t
-Chunkwise (WY / UT transform) form, chunk of C tokens, S₀ the state entering it, L_ij = Σ_{j<s≤i} g_s
-(summed from j+1, never as a difference of two large cumulative sums), Γ_t = Σ_{s≤t in chunk} g_s:
-    (I + A) U = diag(β) V − diag(β e^Γ) K S₀,   A_ij = β_i e^{L_ij} k_i·k_j  for i > j (strictly lower)
-    O = diag(e^Γ) Q S₀ + (Q Kᵀ ⊙ M) U,           M_ij = e^{L_ij} for i ≥ j, 0 above
-    S_C = e^{Γ_C} S₀ + Kᵀ diag(e^{L_{C,·}}) U
-The state math always runs in fp32 (fp64 for fp64 inputs), with autocast switched off inside it. Optional:
-use_fla=true runs fla's Triton kernel on CUDA instead (tested against this form where both exist).
-GDN layer: q,k,v = SiLU(causal depthwise conv₄(W_{q,k,v} x)); q,k L2-normalised, q scaled by K^−½;
-    β = σ(W_b x);  g = −exp(A_log)·softplus(W_a x + dt_bias);  y = W_o(RMSNorm_head(o) ⊙ SiLU(W_g x))
-Routing (§2.2, parallel): one router reads layer 0's output h₀ and gives 2-way logits z_l for every routed
-layer l at once. Train: Gumbel-softmax, hard straight-through, y = onehot(argmax(z+γ)) − sg(p_τ) + p_τ with
-p_τ = softmax((z+γ)/τ); a routed layer outputs y_G·GDN(x) + y_S·Attn(x). Eval: argmax z, no noise.
-Switch balance loss per routed layer (N = 2 mixers):  L_bal = N·Σ_i f_i·P_i  (1 balanced, 2 collapsed),
-    f_i = fraction of tokens sent to mixer i (hard), P_i = mean router probability softmax(z)_i (no noise);
-    loss = L_lm + α·mean_l L_bal,  α = 0.01 (paper).
-Temperature schedule (the paper does not give one): τ(it) = τ_start·(τ_end/τ_start)^(it/max_iters),
-geometric from 1.0 to 0.5. With hard straight-through the forward pass does not depend on τ (argmax of
-z+γ is τ-free); τ only sharpens the surrogate gradient. So the noise-free training forward IS the eval
-forward: eval's `soft_loss` equals its hard loss by construction.
+Deviations from the paper, one line each (what they cost: results/hybrid.md):
+  * no τ schedule is given: ours is geometric, tau_start 1.0 → tau_end 0.5 at max_iters.
+  * width, heads and lr are not given: PRESETS["paper"] guesses them (n_embd 1280: 160M, 49k vocabulary).
+  * Gumbel-softmax is hard straight-through: the training forward is τ-free and equals the eval forward.
+  * a route picks how a token READS: the GDN state and the softmax K/V hold every token (our reading).
+  * the router runs in fp32 with autocast off: its decisions do not depend on the matmul dtype.
+  * learned positions and common.py's GELU MLP around both mixers (the paper does not say).
 
-What a route means (our reading of the paper's y_G·GDN(x) + y_S·Attn(x), where GDN and Attn are causal
-sequence layers over the whole layer input, as in training): the route picks how a token READS the context;
-the context itself — the GDN state and the softmax keys/values — holds every token. Inference (sparse=True,
-prefill, step) computes in a routed layer, exactly equal to that definition:
-    every token    GDN write: W_{q,k,v} x (q too: the conv mixes it into the next 3 tokens' queries), conv,
-                   β, g, the state update (the chunked form also reads Sᵀq for all); softmax K, V (cache)
+What inference (sparse=True, prefill, step) computes in a routed layer, exactly equal to the above:
+    every token    GDN write: W_{q,k,v} x (q too: the conv mixes it into the next 3 tokens' queries), conv, β, g,
+                   the state update (the chunked form also reads Sᵀq for all); softmax K, V (cache)
     GDN token      + RMSNorm, the SiLU gate W_g x, W_o                    (skips softmax Q, scores, W_o)
     softmax token  + Q, scores over every earlier token, W_o              (skips GDN's gate, norm, W_o)
-The MoE-style alternative (each mixer sees only its own tokens: GDN tokens skip K/V, softmax tokens the
-whole GDN) is a different model, trained differently; not implemented. sparse=True: one host sync per
-forward (sizes of the gathers for all routed layers); step(): one per token, at B=1 it skips exactly.
+sparse=True: one host sync per forward (every routed layer's gather sizes). step(): eager, one sync per token
+finds the reads any row needs (B=1: exactly one); compiled, both reads and a select, no sync.
 """
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import common
 from common import NanorouteError
@@ -65,7 +64,7 @@ class Config(common.Config):
     gdn_head_dim: int = 0      # K, key dim per GDN head (0 = n_embd // n_head); GDN uses n_head heads
     gdn_expand_v: int = 1      # V = expand_v·K, value dim per GDN head
     chunk_size: int = 64       # chunk length of the chunkwise gated delta rule
-    use_fla: bool = False      # on CUDA, run the gated delta rule with fla's Triton kernel (pip install fla-core)
+    use_fla: bool = True       # CUDA + autocast: fla's Triton kernel when installed (pip install fla-core)
 
     def __post_init__(self):
         super().__post_init__()
@@ -84,8 +83,6 @@ class Config(common.Config):
         for name in ("gdn_head_dim", "gdn_expand_v", "chunk_size"):
             if getattr(self, name) < (0 if name == "gdn_head_dim" else 1):
                 raise NanorouteError(f"{name} must be >= {0 if name == 'gdn_head_dim' else 1}, got {getattr(self, name)}")
-        if self.use_fla and _fla_chunk is None:
-            raise NanorouteError("use_fla=true needs flash-linear-attention (pip install fla-core) and Triton")
 
     @property
     def kinds(self):
@@ -104,7 +101,26 @@ PRESETS = {"paper": {"n_layer": 4, "n_head": 10, "n_embd": 1280, "pattern": "G R
 
 
 # ----------------------------------------------------------------------------------------------------
-# Gated delta rule: the step-by-step reference and the chunkwise-parallel form
+# Router decisions (the router, ln_r + one linear for every routed layer, is Model.logits)
+
+def gumbel_like(z):
+    return -torch.empty_like(z).exponential_().clamp_min(1e-20).log()              # γ ~ Gumbel(0, 1)
+
+
+def one_hot_argmax(z):
+    """onehot(argmax(z)) (..., 2) in z's dtype, a tie to GDN; F.one_hot would check its range on the host."""
+    return torch.zeros_like(z).scatter_(-1, z.argmax(-1, keepdim=True), 1.0)
+
+
+def matmul_dtype(x):
+    """The dtype autocast runs x's matmuls in (x's own without autocast). A normed input cast to it once
+    spares every F.linear of it its own cast."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+# ----------------------------------------------------------------------------------------------------
+# Blocks: the gated delta rule (step-by-step reference, chunkwise form, fla), the GDN mixer, the layer
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=None):
     """q, k: (B, H, T, K); v: (B, H, T, V); g, beta: (B, H, T). Returns o (B, H, T, V), state (B, H, K, V),
@@ -123,44 +139,52 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=None):
         return torch.stack(out, 2), S
 
 
-def gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=64, initial_state=None):
-    """Same contract as gated_delta_rule_recurrent. Everything within a chunk is batched over all chunks;
-    the sequential loop carries only the state (3 kernels per chunk); outputs are one batched product."""
+@functools.lru_cache(maxsize=None)
+def chunk_masks(C, device):
+    """(C, C+1) bool, made once per chunk size and device. Column j+1 is key j, column 0 the chunk's start:
+    `incl` (g_s counts in L_ij for s > j) and `future` (above M's diagonal, masked before exp)."""
+    ones = torch.ones(C, C + 1, dtype=torch.bool, device=device)
+    return ones.tril(), ones.triu(2)
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=True):
+    """Same contract as gated_delta_rule_recurrent (the state is None unless output_final_state). All within a
+    chunk is batched over every chunk; the sequential loop carries only the state, one kernel per chunk."""
     B, H, T, K = q.shape
     V, C = v.size(-1), chunk_size
-    dt = torch.promote_types(q.dtype, torch.float32)
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.autocast(q.device.type, enabled=False):
-        q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
+        q, k, g, beta = (t.to(dt) for t in (q, k, g, beta))                       # v: promoted by v·β below
         pad = (-T) % C  # zero padding: g = 0, β = 0, k = 0 leave the state untouched; outputs are cut off
         if pad:
             q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
             g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
         N = (T + pad) // C
-        q, k, v = (t.reshape(B, H, N, C, -1) for t in (q, k, v))                  # (B, H, N, C, K|V)
-        g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
-        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        L = (g[..., :, None] * lower.tril(-1)).cumsum(-2)     # L_ij = Σ_{j<s≤i} g_s (B, H, N, C, C), no cancellation
-        M = L.masked_fill(~lower, -math.inf).exp()            # e^{L_ij} for i ≥ j, 0 above: mask before exp
-        Gam = g.cumsum(-1)                                     # Γ_t (B, H, N, C): decay from the chunk start
-        A = ((beta[..., None] * k) @ k.transpose(-1, -2)) * M  # only its strictly lower part is read below
-        rhs = torch.cat([(beta * Gam.exp())[..., None] * k, beta[..., None] * v], -1)  # (B, H, N, C, K+V)
+        q, k, v = (t.unflatten(2, (N, C)) for t in (q, k, v))                     # (B, H, N, C, K|V)
+        g, beta = g.unflatten(2, (N, C))[..., None], beta.unflatten(2, (N, C))[..., None]  # (B, H, N, C, 1)
+        incl, future = chunk_masks(C, q.device)
+        E = (g * incl).cumsum(-2).masked_fill(future, -math.inf).exp()  # (B, H, N, C, C+1): e^Γ_i, e^{L_ij}
+        eG, M = E[..., :1], E[..., 1:]                                           # (.., C, 1), (.., C, C)
+        bk = k * beta                                                            # β_i k_i
+        # A and QKᵀ ⊙ M in one product (the solve reads only A's strictly lower part)
+        A, QK = (torch.cat([bk, q], -2) @ k.mT).unflatten(-2, (2, C)).mul(M[..., None, :, :]).unbind(-3)
+        rhs = torch.cat([bk * eG, v * beta], -1)                                 # (B, H, N, C, K+V)
         # UT transform: one batched unit-lower-triangular solve (the diagonal is taken as 1) gives W and U₀
         W, U0 = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([K, V], -1)
-        # the loop runs over chunks with (B·H) batched: chunk-major copies make each step's operands contiguous
-        chunk_major = lambda t: t.permute(2, 0, 1, 3, 4).reshape(N, B * H, *t.shape[-2:])
-        W, U0 = chunk_major(W), chunk_major(U0)                                   # (N, BH, C, K|V)
-        KdT = chunk_major((k * L[..., -1, :, None].exp()).transpose(-1, -2))     # e^{L_C,·}-weighted Kᵀ (N, BH, K, C)
-        decay = Gam[..., -1].exp().permute(2, 0, 1).reshape(N, B * H, 1, 1)      # e^{Γ_C}
-        S = q.new_zeros(B * H, K, V) if initial_state is None else initial_state.to(dt).reshape(B * H, K, V)
-        states, us = [], []
-        for n in range(N):  # only the state crosses chunk boundaries: 3 kernels per chunk
+        KdT = (k * M[..., -1, :, None]).mT                                      # Kᵀ diag(e^{L_C,·}) (B, H, N, K, C)
+        flat = lambda t: t.flatten(0, 2)                                          # (B·H·N, ·, ·) views
+        eGC = torch.diag_embed(eG[..., -1, :].expand(B, H, N, K))                 # e^{Γ_C} I (B, H, N, K, K)
+        P = torch.baddbmm(flat(eGC), flat(KdT), flat(W), alpha=-1).view(B * H, N, K, K)
+        R = (KdT @ U0).view(B * H, N, K, V)
+        S = None if initial_state is None else initial_state.to(dt).reshape(B * H, K, V)
+        states = [torch.zeros_like(R[:, 0]) if S is None else S]
+        for n in range(N - 1 + output_final_state):  # only the state crosses chunks: S_{n+1} = P_n S_n + R_n
+            S = R[:, n] if S is None else torch.baddbmm(R[:, n], P[:, n], S)
             states.append(S)
-            us.append(torch.baddbmm(U0[n], W[n], S, alpha=-1))                     # U = U₀ − W S₀ (BH, C, V)
-            S = torch.baddbmm(S * decay[n], KdT[n], us[-1])                        # S_C
-        S0 = torch.stack(states, 1).view(B, H, N, K, V)                            # state entering each chunk
-        U = torch.stack(us, 1).view(B, H, N, C, V)
-        o = (q * Gam.exp()[..., None]) @ S0 + ((q @ k.transpose(-1, -2)) * M) @ U  # (B, H, N, C, V)
-        return o.view(B, H, N * C, V)[:, :, :T], S.view(B, H, K, V)
+        S0 = torch.stack(states[:N], 1).view(B * H * N, K, V)                      # state entering each chunk
+        Qd = torch.baddbmm(flat(q * eG), flat(QK), flat(W), alpha=-1)               # diag(e^Γ) Q − (QKᵀ⊙M) W
+        o = torch.baddbmm(flat(QK @ U0), Qd, S0).view(B, H, N * C, V)[:, :, :T]    # (B, H, T, V)
+        return o, S.view(B, H, K, V) if output_final_state else None
 
 
 try:  # optional: flash-linear-attention's Triton kernel (CUDA); the pure-PyTorch forms above stay the reference
@@ -169,18 +193,22 @@ except Exception:  # not installed, or no Triton here
     _fla_chunk = None
 
 
-def gated_delta_rule_fla(q, k, v, g, beta, chunk_size=64, initial_state=None):
-    """The same contract through fla's kernel (its layout is (B, T, H, ·); q arrives already scaled)."""
-    dt = v.dtype if v.dtype != torch.float32 else torch.bfloat16  # the kernel wants one 16-bit dtype for q, k, v
+def gated_delta_rule_fla(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=True):
+    """The same contract through fla's chunk_gated_delta_rule (fla-core 0.6). It takes and returns (B, T, H, ·)
+    where we have (B, H, T, ·): transposed at both ends; g is a natural-log decay and the state (B, H, K, V) in
+    both; scale=1 as o = Sᵀq takes q as given. q, k, v, β run in one 16-bit dtype (fp32 goes in as bf16);
+    its own chunk size does not change the result."""
+    dt = v.dtype if v.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     qf, kf, vf = (t.transpose(1, 2).to(dt) for t in (q, k, v))                     # (B, T, H, K|V)
     o, S = _fla_chunk(qf, kf, vf, g.transpose(1, 2).float(), beta.transpose(1, 2).to(dt), scale=1.0,
-                      initial_state=None if initial_state is None else initial_state.float(), output_final_state=True)
-    return o.transpose(1, 2).float(), S.float()
+                      initial_state=None if initial_state is None else initial_state.float(),
+                      output_final_state=output_final_state)
+    return o.transpose(1, 2).float(), S.float() if output_final_state else None
 
 
 class GatedDeltaNet(nn.Module):
-    """The GDN token mixer. forward(x, cache, rows): the recurrence over every token; the output (norm, gate,
-    W_o) only for `rows` (B, n) when given. step(x, cache, read) decodes one token."""
+    """The GDN token mixer. write(h): the recurrence over every token, o = Sᵀq for all; read(o, gate): the
+    output (norm, gate, W_o) of the tokens given; step(h, cache) decodes one token."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -207,59 +235,56 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))    # inverse softplus
         self.conv.reset_parameters()
 
-    def _inputs(self, x, z):
-        """x: normed input (B, T, C); z: conv output (B, T, ch) -> q, k, v (B, H, T, ·), g, β (B, H, T) fp32."""
-        B, T, _ = x.shape
-        q, k, v = F.silu(z).split([self.H * self.K, self.H * self.K, self.H * self.V], -1)
-        q, k, v = (t.view(B, T, self.H, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, T, K|V)
-        f32 = torch.promote_types(x.dtype, torch.float32)                           # fp32 (fp64 stays fp64)
-        q = F.normalize(q.to(f32), dim=-1, eps=1e-6) * self.K ** -0.5
-        k = F.normalize(k.to(f32), dim=-1, eps=1e-6)
-        beta = torch.sigmoid(self.b_proj(x).to(f32)).transpose(1, 2)                # (B, H, T)
-        g = -self.A_log.to(f32).exp() * F.softplus(self.a_proj(x).to(f32) + self.dt_bias.to(f32))
-        return q, k, v, g.transpose(1, 2), beta
-
-    def _output(self, o, x):
-        """o (B, n, H, V) fp32, x (B, n, C) the same tokens' normed input -> (B, n, C)."""
-        B, n, H, V = o.shape
-        o = F.rms_norm(o, (V,), self.norm_weight.to(o.dtype), eps=1e-6)                 # per head
-        o = o * F.silu(self.g_proj(x)).view(B, n, H, V)
-        return self.drop(self.c_proj(o.reshape(B, n, H * V)))
-
-    def forward(self, x, cache=None, rows=None):
-        z = F.pad(self.qkv_proj(x).transpose(1, 2), (3, 0))                        # (B, ch, 3+T)
+    def write(self, h, cache=None):
+        """h: normed input (B, T, C) -> o = Sᵀq (B, H, T, V) fp32 for every token; fills a decode cache."""
+        B, T, _ = h.shape
+        H, K, V = self.H, self.K, self.V
+        f32 = torch.float64 if h.dtype == torch.float64 else torch.float32
+        p = self.qkv_proj(h).mT                                                     # (B, ch, T)
+        z = F.silu(F.conv1d(p, self.conv.weight, padding=3, groups=p.size(1))[..., :T])  # causal: t sees t−3..t
+        qk = z[:, :2 * H * K].unflatten(1, (2, H, K)).permute(1, 0, 2, 4, 3)        # (2, B, H, T, K) view
+        # one copy: fp32, each head's (T, K) contiguous, so that the chunked form's matmuls take views
+        q, k = F.normalize(qk.to(f32, memory_format=torch.contiguous_format), dim=-1, eps=1e-6)
+        v = z[:, 2 * H * K:].unflatten(1, (H, V)).mT                                # (B, H, T, V)
+        beta = torch.sigmoid(self.b_proj(h).to(f32)).mT                             # (B, H, T)
+        g = (-self.A_log.exp() * F.softplus(self.a_proj(h) + self.dt_bias)).mT     # (B, H, T); bf16 + fp32 → fp32
+        # fla's kernel where it runs (CUDA, 16-bit values under autocast); the readable reference elsewhere
+        fast = self.use_fla and _fla_chunk is not None and v.is_cuda and v.dtype in (torch.float16, torch.bfloat16)
+        rule = gated_delta_rule_fla if fast else gated_delta_rule_chunked
+        o, S = rule(q, k, v, g, beta, chunk_size=self.chunk, output_final_state=cache is not None)
         if cache is not None:
-            cache["conv"] = z[:, :, -3:]                                           # last 3 conv inputs
-        z = F.conv1d(z, self.conv.weight, groups=z.size(1)).transpose(1, 2)        # (B, T, ch)
-        gdr = gated_delta_rule_fla if self.use_fla and x.is_cuda else gated_delta_rule_chunked
-        o, S = gdr(*self._inputs(x, z), chunk_size=self.chunk)                    # (B, H, T, V), (B, H, K, V) fp32
-        if cache is not None:
-            cache["S"] = S                                                         # (B, H, K, V) fp32
-        o = o.transpose(1, 2)                                                      # (B, T, H, V)
-        if rows is not None:                                                       # only the GDN tokens read
-            o = o.gather(1, rows[:, :, None, None].expand(-1, -1, self.H, self.V))  # (B, n, H, V)
-            x = x.gather(1, rows[..., None].expand(-1, -1, x.size(-1)))            # (B, n, C)
-        return self._output(o, x)
+            gdn_decode_cache(self, cache, S, p, h.dtype)
+        return o
 
-    def step(self, x, cache, read=True):
-        """One token x (B, 1, C): the conv window from the cache, one recurrent step of the state; the
-        output only if read (a token routed to softmax writes the state and reads nothing)."""
-        win = torch.cat([cache["conv"], self.qkv_proj(x).transpose(1, 2)], -1)      # (B, ch, 4)
-        cache["conv"] = win[:, :, 1:]
-        z = (win * self.conv.weight[:, 0]).sum(-1)[:, None]                         # (B, 1, ch)
-        o, cache["S"] = gated_delta_rule_recurrent(*self._inputs(x, z), initial_state=cache["S"])
-        return self._output(o.transpose(1, 2), x) if read else None
+    def read(self, o, gate):
+        """o (B, H, n, V) fp32 = Sᵀq and gate (B, n, H·V) = W_g x of n tokens -> (B, n, C). q was not scaled
+        by K^−½ in write(): RMSNorm(o·K^−½, ε) = RMSNorm(o, K·ε), so the scale costs no op."""
+        B, H, n, V = o.shape
+        o = F.rms_norm(o, (V,), self.norm_weight.to(o.dtype), eps=1e-6 * self.K)          # per head
+        o = F.silu(gate).view(B, n, H, V) * o.transpose(1, 2)      # the gate first: the product keeps its layout
+        return self.drop(self.c_proj(o.flatten(2)))
 
+    def forward(self, h, cache=None):
+        return self.read(self.write(h, cache), self.g_proj(h))
 
-# ----------------------------------------------------------------------------------------------------
-# Softmax attention on a subset of queries, and with a cache
-
-def attn_proj(attn, h, part):
-    """part "q" or "kv" of c_attn applied to h (B, n, C) -> a list of (B, nh, n, hs)."""
-    C = h.size(-1)
-    rows = slice(0, C) if part == "q" else slice(C, 3 * C)
-    b = attn.c_attn.bias[rows] if attn.c_attn.bias is not None else None
-    return [attn.split_heads(t) for t in F.linear(h, attn.c_attn.weight[rows], b).split(C, -1)]
+    @torch.no_grad()
+    def step(self, h, cache, read=True):
+        """One token h (B, 1, C): every projection in one matmul (the weights gdn_decode_cache joined), the conv
+        and the state updated in place, the output only if read (a softmax token writes and reads nothing)."""
+        B, H, K, V = h.size(0), self.H, self.K, self.V
+        y = F.linear(h[:, 0].to(cache["w"].dtype), cache["w"])                      # (B, ch + 2H + HV)
+        p, a, b, gate = y.split([H * (2 * K + V), H, H, H * V], -1)
+        S = cache["S"]                                                              # (B, H, K, V) fp32
+        with torch.autocast(h.device.type, enabled=False):
+            z = torch.addcmul(cache["conv"], p[..., None], cache["taps"])           # (B, ch, 4): z_t, next sums
+            cache["conv"][..., :3].copy_(z[..., 1:])
+            z = F.silu(z[..., 0])                                                   # (B, ch) fp32
+            q, k = F.normalize(z[:, :2 * H * K].unflatten(-1, (2, H, K)), dim=-1, eps=1e-6).unbind(1)  # (B, H, K)
+            S.mul_(torch.exp(cache["neg_A"] * F.softplus(a + self.dt_bias))[..., None, None])  # S ← e^g S
+            u = (z[:, 2 * H * K:].view(B, H, 1, V) - k[:, :, None] @ S) * torch.sigmoid(b.to(S.dtype))[..., None, None]
+            S.addcmul_(k[..., None], u)                                             # S ← S + k uᵀ
+            o = q[:, :, None] @ S if read else None                                 # (B, H, 1, V)
+        return None if o is None else self.read(o, gate[:, None])
 
 
 def attn_prefill(attn, h, cache):
@@ -269,28 +294,12 @@ def attn_prefill(attn, h, cache):
     return attn.resid_dropout(attn.c_proj(attn.attend(q, k, v)))
 
 
-def attn_rows(attn, h, rows, cache=None):
-    """Softmax attention for the query tokens `rows` (B, n) only, over the K/V of every token; fills a
-    KVCache when given one. Returns (B, n, C)."""
-    B, T, C = h.shape
-    k, v = attn_proj(attn, h, "kv")       # (B, nh, T, hs): every token's, as in training
-    if cache is not None:
-        cache["kv"] = common.KVCache(B, cache["block_size"], k, v)
-    if rows.size(1) == 0:  # nobody reads: only the cache needed the K/V
-        return k.new_zeros(B, 0, C)
-    (q,) = attn_proj(attn, h.gather(1, rows[..., None].expand(-1, -1, C)), "q")    # (B, nh, n, hs)
-    causal = torch.arange(T, device=h.device) <= rows[:, :, None]                  # (B, n, T) key ≤ query position
-    return attn.resid_dropout(attn.c_proj(attn.attend(q, k, v, attn_mask=causal[:, None])))
+def attn_step(attn, h, cache, pos, mask, read=True):
+    """One token at position pos (0-d tensor): its K/V go into the cache; its query attends only if read."""
+    q, k, v = attn.qkv(h)                                                          # (B, nh, 1, hs)
+    k, v = cache["kv"].append(pos, k, v)                                           # (B, nh, S, hs), masked
+    return attn.c_proj(attn.attend(q, k, v, attn_mask=mask)) if read else None
 
-
-def attn_step(attn, h, cache, pos, read=True):
-    """One token at position pos: its K/V go into the cache; its query attends only if read."""
-    k, v = cache["kv"].append(pos, *attn_proj(attn, h, "kv"))                      # (B, nh, pos+1, hs)
-    return attn.c_proj(attn.attend(*attn_proj(attn, h, "q"), k, v, causal=False)) if read else None
-
-
-# ----------------------------------------------------------------------------------------------------
-# Layers, router, model
 
 class Layer(nn.Module):
     """Pre-norm mixer + pre-norm MLP; kind G has `gdn`, S has `attn` (names as common.Block), R has both."""
@@ -306,57 +315,40 @@ class Layer(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = common.MLP(cfg)
 
-    def forward(self, x, y=None, cache=None, sparse=None):
-        """y: (B, T, 2) routing weights [GDN, softmax] for kind R. cache: dict to fill (prefill).
-        sparse = (soft (B, T) bool, n_gdn, n_soft): each mixer's output only for its own tokens (eval)."""
+    def forward(self, x, y=None, cache=None, plan=None):
+        """y: (B, T, 2) routing weights [GDN, softmax] for kind R. cache: dict to fill (prefill). plan: this
+        layer's part of sparse_plan(), each mixer's output only for its own tokens (eval)."""
         h = self.ln_1(x)
+        h = h.to(matmul_dtype(h))
         if self.kind == "G":
             mix = self.gdn(h, cache)
         elif self.kind == "S":
             mix = self.attn(h) if cache is None else attn_prefill(self.attn, h, cache)
-        elif sparse is None:
-            a = self.attn(h) if cache is None else attn_prefill(self.attn, h, cache)
-            mix = y[..., :1] * self.gdn(h, cache) + y[..., 1:] * a                 # (B, T, C)
+        elif plan is None:
+            mix = y[..., :1] * self.gdn(h) + y[..., 1:] * self.attn(h)             # (B, T, C)
         else:
-            soft, n_gdn, n_soft = sparse
-            mix = 0
-            for is_soft, n in ((False, n_gdn), (True, n_soft)):
-                # rows (B, n): this mixer's tokens first, in order; padding slots are the other mixer's
-                rows = torch.argsort((soft != is_soft).to(torch.int8), dim=1, stable=True)[:, :n]
-                if n == 0 and cache is None:
-                    continue  # nobody reads this mixer and no cache needs its K/V or state
-                out = self.gdn(h, cache, rows) if not is_soft else attn_rows(self.attn, h, rows, cache)
-                full = out.new_zeros(h.shape).scatter(1, rows[..., None].expand(-1, -1, h.size(-1)), out)
-                mix = torch.where(soft[..., None] == is_soft, full, mix)           # (B, T, C)
-        x = x + mix.to(x.dtype)
-        return x + self.mlp(self.ln_2(x)).to(x.dtype)
+            mix = sparse_mix(self, h, plan, cache)
+        x = x + mix                                   # fp32 + bf16 promotes with the same values: no cast op
+        return x + self.mlp(self.ln_2(x))
 
-    def step(self, x, cache, pos, soft=None, run=(True, True)):
-        """One token (B, 1, C) at position pos. soft: (B, 1) bool decision for kind R; run: (any row reads
-        GDN, any row reads softmax), so at B=1 the unused read is skipped; both caches are always written."""
+    def step(self, x, cache, pos, mask, soft=None, reads=(True, True)):
+        """One token (B, 1, C) at position pos; mask = common.past_mask. soft: (B, 1) bool decision for kind R;
+        reads: (run GDN's read, run softmax's); both caches are always written."""
         h = self.ln_1(x)
+        h = h.to(matmul_dtype(h))
         if self.kind == "G":
             mix = self.gdn.step(h, cache)
         elif self.kind == "S":
-            mix = attn_step(self.attn, h, cache, pos)
+            mix = attn_step(self.attn, h, cache, pos, mask)
         else:
-            g, a = self.gdn.step(h, cache, read=run[0]), attn_step(self.attn, h, cache, pos, read=run[1])
+            g, a = self.gdn.step(h, cache, reads[0]), attn_step(self.attn, h, cache, pos, mask, reads[1])
             mix = a if g is None else g if a is None else torch.where(soft[..., None], a, g)
-        x = x + mix.to(x.dtype)
-        return x + self.mlp(self.ln_2(x)).to(x.dtype)
+        x = x + mix
+        return x + self.mlp(self.ln_2(x))
 
 
-def balance_loss(probs, hard):
-    """Switch loss N·Σ_i f_i·P_i per routed layer, mean over layers. probs, hard: (..., n_routed, N)."""
-    N = probs.size(-1)
-    f = hard.detach().flatten(0, -3).float().mean(0)                               # (n_routed, N) token fractions
-    P = probs.flatten(0, -3).float().mean(0)                                       # (n_routed, N) mean probabilities
-    return (N * (f * P).sum(-1)).mean()
-
-
-def gumbel_like(z):
-    return -torch.empty_like(z).exponential_().clamp_min(1e-20).log()              # γ ~ Gumbel(0, 1)
-
+# ----------------------------------------------------------------------------------------------------
+# Model
 
 class Model(common.LM):
     def __init__(self, cfg):
@@ -379,90 +371,88 @@ class Model(common.LM):
         c = self.cfg
         self.tau.fill_(c.tau_start * (c.tau_end / c.tau_start) ** min(1.0, it / max(1, c.max_iters)))
 
-    def route(self, h0, pos=0):
+    def logits(self, h0):
+        """Router logits z (B, T, nR, 2) of layer 0's output h0 (B, T, C), fp32 whatever autocast runs."""
+        with torch.autocast(h0.device.type, enabled=False):
+            return self.router(self.ln_r(h0)).float().unflatten(-1, (len(self.routed), 2))
+
+    def route(self, h0):
         """h0: layer-0 output (B, T, C) -> weights y (B, T, nR, 2) [GDN, softmax], probs, hard (fp32)."""
-        B, T, _ = h0.shape
-        z = self.router(self.ln_r(h0)).view(B, T, len(self.routed), 2).float()     # logits z
+        z = self.logits(h0)
         probs = z.softmax(-1)
         if self.forced_route is not None:
-            hard = F.one_hot(self.forced_route[:, pos:pos + T].long(), 2).to(z)
+            f = self.forced_route[:, :h0.size(1)]
+            hard = torch.stack([~f, f], -1).to(z)
             return hard, probs, hard
         if not self.training:
-            hard = F.one_hot(z.argmax(-1), 2).to(z)                                 # eval: argmax, no noise
+            hard = one_hot_argmax(z)                                                # eval: argmax, no noise
             return hard, probs, hard
         soft = ((z + gumbel_like(z)) / self.tau).softmax(-1)                       # p_τ
-        hard = F.one_hot(soft.argmax(-1), 2).to(z)
+        hard = one_hot_argmax(soft)
         return hard - soft.detach() + soft, probs, hard                            # straight-through
 
     def forward(self, idx, targets=None, sparse=False, caches=None):
+        """caches: a dict per layer for prefill to fill (sparse path)."""
         if (sparse or caches is not None) and self.training:
             raise NanorouteError("sparse=True is the inference path: call model.eval() first")
         B, T = idx.shape
         x = self.blocks[0](self.embed(idx), cache=None if caches is None else caches[0])  # (B, T, C)
         if self.routed:
             y, probs, hard = self.route(x)                                          # (B, T, nR, 2)
-            soft = hard[..., 1] > 0.5                                               # (B, T, nR) routed to softmax
-            if sparse:  # one host sync sizes the gathers of every routed layer (parallel routing: all known now)
-                n = soft.sum(1)                                                     # (B, nR)
-                n_soft, n_gdn = n.amax(0).tolist(), (T - n.amin(0)).tolist()
+            plans = sparse_plan(hard, matmul_dtype(x)) if sparse else [None] * len(self.routed)
         r = 0
         for i, layer in enumerate(self.blocks[1:], start=1):
             cache = None if caches is None else caches[i]
             if layer.kind == "R":
-                x = layer(x, y[:, :, r], cache, (soft[:, :, r], n_gdn[r], n_soft[r]) if sparse else None)
+                x = layer(x, y[:, :, r], cache, plans[r])
                 r += 1
             else:
                 x = layer(x, cache=cache)
         logits, loss = self.head(x if caches is None else x[:, -1:], targets)
         stats = {}
         if self.routed:
-            gdn_frac = hard[..., 0].mean((0, 1)).detach()                          # (nR,) took the cheap path
-            stats["balance"] = balance_loss(probs, hard)
-            stats["tau"] = self.tau.clone()
+            gdn_frac = hard[..., 0].mean((0, 1))                                    # (nR,) took the cheap path
             for r, i in enumerate(self.routed):
                 stats[f"skip_l{i}"] = stats[f"gdn_frac_l{i}"] = gdn_frac[r]
             stats["skipped"] = gdn_frac.mean()
-            soft_frac = 1 - gdn_frac
-        else:
-            soft_frac = 0.0
-        saved = 1 - flops_per_token(self.cfg, T, soft_frac, sparse=True) / common.dense_flops_per_token(self.cfg, T)
-        stats["flops_saved_hard"] = saved if torch.is_tensor(saved) else torch.full((), saved, device=idx.device)
+            if self.training:
+                stats["tau"] = self.tau.clone()
+        stats["flops_saved_hard"] = flops_saved(self.cfg, T, stats.get("skipped"), idx.device)
         if loss is not None:
             stats = {"lm_loss": loss.detach(), **stats}
             if not self.training:  # the noise-free training forward is this one (hard straight-through)
                 stats["soft_loss"] = loss.detach()
-            if self.routed:
+            if self.routed:  # a loss term: only where there is a loss
+                stats["balance"] = balance_loss(probs, hard)
                 loss = loss + self.cfg.balance * stats["balance"]
-        stats = {k: v.detach() for k, v in stats.items()}
-        return logits, loss, stats
-
-    # -------------------------------------------------------------------------------------------------
-    # cached decoding (common.LM.generate drives it): GDN state + conv tail, preallocated KV cache
+        return logits, loss, {k: v.detach() for k, v in stats.items()}
 
     @torch.no_grad()
     def prefill(self, idx):
-        """The sparse forward of idx (B, T), filling every layer's cache -> (logits (B, V), state)."""
+        """The sparse forward of idx (B, T), filling every layer's cache -> (logits (B, V), (caches, pos))."""
         caches = [{"block_size": self.cfg.block_size} for _ in self.blocks]
         logits, _, _ = self(idx, sparse=True, caches=caches)
-        return logits[:, -1], (caches, idx.size(1))
+        return logits[:, -1], (caches, torch.tensor(idx.size(1), device=idx.device))
 
     @torch.no_grad()
     def step(self, tok, state):
-        """tok (B, 1) at position pos -> logits (B, V); updates every layer's cache in place."""
+        """tok (B, 1) at position pos (0-d tensor) -> logits (B, V). Caches are written in place and read whole
+        under a mask: no shape changes from token to token."""
         caches, pos = state
-        x = self.blocks[0].step(self.drop(self.wte(tok) + self.wpe.weight[pos]), caches[0], pos)  # (B, 1, C)
+        x = self.wte(tok) + self.wpe(pos)                                          # (B, 1, C)
+        kv = [c["kv"] for c in caches if "kv" in c]
+        mask = common.past_mask(pos, self.cfg.block_size, kv[0].k.dtype) if kv else None  # (1, S)
+        x = self.blocks[0].step(x, caches[0], pos, mask)
         if self.routed:
-            soft = self.route(x, pos)[2][..., 1] > 0.5                              # (B, 1, nR)
-            # one host sync per token for all routed layers: which reads any row needs (B=1: exactly one)
-            run = torch.stack([(~soft).any(0).any(0), soft.any(0).any(0)], 1).tolist()  # (nR, 2)
+            soft, reads = decode_reads(self, x, pos)                                # (B, 1, nR)
         r = 0
         for i, layer in enumerate(self.blocks[1:], start=1):
             if layer.kind == "R":
-                x = layer.step(x, caches[i], pos, soft[:, :, r], run[r])
+                x = layer.step(x, caches[i], pos, mask, soft[:, :, r], reads[r])
                 r += 1
             else:
-                x = layer.step(x, caches[i], pos)
-        return self.lm_head(self.ln_f(x))[:, -1], (caches, pos + 1)
+                x = layer.step(x, caches[i], pos, mask)
+        return self.head(x)[0][:, -1], (caches, pos + 1)
 
     @torch.no_grad()
     def routing_map(self, idx):
@@ -473,6 +463,111 @@ class Model(common.LM):
             m = hard[0, :, :, 1].T.float().cpu()                                    # (nR, T)
         self.train(was_training)
         return m, [f"layer {i}" for i in self.routed], ("GDN (linear)", "softmax")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Losses
+
+def balance_loss(probs, hard):
+    """Switch loss N·Σ_i f_i·P_i per routed layer, mean over layers. probs, hard: (..., n_routed, N)."""
+    n_routed, N = probs.shape[-2:]
+    f = hard.detach().flatten(0, -3).float().mean(0)                               # (n_routed, N) token fractions
+    P = probs.flatten(0, -3).float().mean(0)                                       # (n_routed, N) mean probabilities
+    return torch.dot(f.flatten(), P.flatten()) * (N / n_routed)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sparse inference: a routed layer runs each read only for the tokens routed to it
+
+@functools.lru_cache(maxsize=8)
+def causal_mask(T, dtype, device):
+    """The additive (T, T) causal mask, made once: SDPA takes it as is (a bool mask costs it 3 ops a call)."""
+    return torch.full((T, T), -math.inf, dtype=dtype, device=device).triu(1)
+
+
+def sparse_plan(hard, dtype):
+    """Decisions hard (B, T, nR, 2) -> per routed layer (order, dump, n_gdn, n_soft, causal mask), with one host
+    sync for all (parallel routing: every decision is known after layer 0). order (B, T) lists a row's GDN
+    tokens, then its softmax ones, each in position order: GDN reads take slots [0, n_gdn), softmax reads
+    [T − n_soft, T), so a row with fewer of a kind fills its slots with the other kind's. dump: order, with the
+    softmax slots that hold a GDN token sent to row T (thrown away)."""
+    B, T = hard.shape[:2]
+    kind, order = hard[..., 1].sort(dim=1, stable=True)                            # (B, T, nR): GDN first
+    counts = kind.sum(1).tolist()                                                  # (B, nR) softmax tokens: the sync
+    dump = order.masked_fill(kind < 0.5, T)
+    plans = []
+    for r in range(hard.size(2)):
+        c = [int(row[r]) for row in counts]
+        plans.append((order[..., r], dump[..., r], T - min(c), max(c), causal_mask(T, dtype, hard.device)))
+    return plans
+
+
+def sparse_mix(layer, h, plan, cache=None):
+    """A routed layer's mixer output (B, T, C) for its normed input h (B, T, C): the GDN write and the softmax
+    K/V of every token, then each read for its own tokens (and, in padding slots, some of the other kind's)."""
+    order, dump, n_gdn, n_soft, causal = plan
+    B, T, C = h.shape
+    gdn, attn = layer.gdn, layer.attn
+    hs = h.gather(1, order[..., None].expand(-1, -1, C))                           # (B, T, C) GDN tokens first
+    mix = h.new_zeros(B, T + 1, C)                                                 # row T: the dump
+    if n_gdn or cache is not None:
+        o = gdn.write(h, cache)                                                    # (B, H, T, V) every token
+    if n_gdn:  # first: its padding slots hold softmax tokens, which the softmax read overwrites
+        rows = order[:, :n_gdn]
+        o = o.gather(2, rows[:, None, :, None].expand(-1, gdn.H, -1, gdn.V))       # (B, H, n_gdn, V)
+        mix.scatter_(1, rows[..., None].expand(-1, -1, C), gdn.read(o, gdn.g_proj(hs[:, :n_gdn])))
+    w, b = attn.c_attn.weight.detach().to(h.dtype), attn.c_attn.bias                # one cast for Q and K, V
+    if n_soft or cache is not None:
+        kv = F.linear(h, w[C:], None if b is None else b[C:])
+        k, v = (attn.split_heads(t) for t in kv.split(C, -1))                      # (B, nh, T, hs) every token
+        if cache is not None:
+            cache["kv"] = common.KVCache(B, cache["block_size"], k, v)
+    if n_soft:
+        q = attn.split_heads(F.linear(hs[:, T - n_soft:], w[:C], None if b is None else b[:C]))  # (B, nh, n, hs)
+        mask = causal[order[:, T - n_soft:]][:, None]                              # (B, 1, n_soft, T)
+        # n_soft changes with the routing: on CUDA, cuDNN attention would set itself up anew for every new
+        # length (DTRNet's bf16 step: 14x slower); flash / efficient / math take any length as it comes
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            out = attn.c_proj(attn.attend(q, k, v, attn_mask=mask))                # (B, n_soft, C)
+        mix.scatter_(1, dump[:, T - n_soft:, None].expand(-1, -1, C), out)
+    return mix[:, :T]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cached decoding (common.LM.generate drives prefill/step): GDN state and conv sums, preallocated KV caches
+
+@torch.no_grad()
+def gdn_decode_cache(gdn, cache, S, p, dtype):
+    """At prefill, what GDN.step needs: the state S (B, H, K, V) and the conv's partial sums, both updated in
+    place (fixed addresses: a CUDA graph replays on them); the joined projections [W_qkv; W_a; W_b; W_g] in the
+    matmul dtype and −e^{A_log}, made here once instead of every token. p: the conv inputs (B, ch, T)."""
+    ch, f32 = p.size(1), S.dtype
+    with torch.autocast(p.device.type, enabled=False):
+        tail = F.pad(p, (3, 0))[..., -3:].to(f32)                                   # last 3 conv inputs (B, ch, 3)
+        # s_j: what the tail adds to conv output T−1+j (j = 1, 2, 3); step() adds each new input's part to all
+        sums = F.conv1d(F.pad(tail, (0, 3)), gdn.conv.weight.to(f32), groups=ch)   # (B, ch, 3)
+    cache["conv"] = F.pad(sums, (0, 1))                                             # (B, ch, 4); slot 3 stays 0
+    cache["taps"] = gdn.conv.weight[:, 0].flip(-1).to(f32)                          # (ch, 4): w₃ (z_t), w₂, w₁, w₀
+    cache["S"] = S.contiguous()
+    cache["w"] = torch.cat([gdn.qkv_proj.weight, gdn.a_proj.weight, gdn.b_proj.weight, gdn.g_proj.weight]).to(dtype)
+    cache["neg_A"] = -gdn.A_log.exp()
+    for t in (cache["S"], cache["conv"]):
+        torch._dynamo.mark_static_address(t)
+
+
+def decode_reads(model, h0, pos):
+    """Decisions of one decode step, soft (B, 1, nR) bool, and the reads each routed layer runs. Eager: one host
+    sync per token finds the reads any row needs (B=1: exactly one). Compiled: both reads, torch.where picks
+    per row: one graph for every token, no sync (what a CUDA graph replays)."""
+    if model.forced_route is not None:
+        soft = model.forced_route.index_select(1, pos.view(1))
+    else:
+        z = model.logits(h0)                                                       # (B, 1, nR, 2)
+        soft = z[..., 1] > z[..., 0]                                               # argmax, a tie to GDN
+    if torch.compiler.is_compiling():
+        return soft, [(True, True)] * soft.size(-1)
+    n = soft.sum((0, 1)).tolist()                                                  # (nR,) rows reading softmax
+    return soft, [(c < soft.size(0), c > 0) for c in n]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -503,3 +598,13 @@ def flops_per_token(cfg, T, soft_frac=0.0, sparse=False):
     for s in fracs:  # routed layers: the router's 2 logits, both writes, then the reads
         total = total + 2 * d * 2 + write + kv + ((1 - s) * read + s * q_scores_out if sparse else read + q_scores_out)
     return total
+
+
+def flops_saved(cfg, T, skipped, device):
+    """1 − sparse / dense-GPT FLOPs per token, skipped = the GDN share of routed token-layers (0-d tensor; None
+    when nothing is routed). flops_per_token is linear in the shares: two Python numbers, two tensor ops."""
+    dense = common.dense_flops_per_token(cfg, T)
+    all_gdn, all_soft = (flops_per_token(cfg, T, s, sparse=True) for s in (0.0, 1.0))
+    if skipped is None:
+        return torch.full((), 1 - all_gdn / dense, device=device)
+    return skipped * ((all_soft - all_gdn) / dense) + (1 - all_soft / dense)
