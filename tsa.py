@@ -12,53 +12,32 @@ updates of every block after the stem.
     (7)  Δ = 1 − (1 + (L−1) α) / L                             (TLOps saved, common.tlops_saving)
 
 Inference (§3.6): a token with p_l > 0.5 halts at block l+1 (for that block only; the next router decides
-again). eval() applies these hard decisions densely (the reference); `sparse=True` really skips the work
-and gives the same logits. A halted token skips the FFN and — beyond the paper — its query, attention and
-output projection; it still computes its K/V, because active tokens attend to every earlier token in every
-layer, exactly as in the dense eval forward. Cached decoding (prefill/step, used by common's generate)
-keeps these semantics: the cache of every layer holds the K/V of every token (halted ones included, from
-their state at that layer); a layer where every row of the batch halts (at B=1: where the token halts)
-runs only K/V, skipping q / attention / c_proj / FFN, so B=1 decode saves (1 − α)·(q + attention +
-out-proj + FFN) per routed layer. In a mixed batch every row runs the layer and halted rows are gated by 0
-(a GEMM over a few rows costs what reading its weights costs: gathering the active rows does not pay).
+again). eval() applies these hard decisions densely (the reference); `sparse=True` really skips the work and
+gives the same logits. A halted token skips the FFN and its query, attention and output projection; it still
+computes its K/V, because active tokens attend to every earlier token in every layer. Cached decoding
+(prefill/step) keeps these semantics: every layer's cache holds every token's K/V, and a layer where every
+row of the batch halts (at B=1: where the token halts) runs only K/V.
 
-Deviations from the paper (Config fields; `--preset paper` sets the paper's values except hard_ft_*):
-  * hard_ft_iters=250: the last 250 iterations (of the default 2250) train with straight-through hard
-    gates — forward = the eval gate, gradient = that of 1 − p — so that the hard routing inference runs is
-    the one the model was trained with (the paper trains soft only; results/tsa.md, issue 12).
-  * hard_ft_routers (what the routers do in that phase): "train" (the default recipe), "frozen" (no
-    gradient, so AdamW does not move them: only the backbone adapts to their hard decisions) or
-    "calibrate" (`--preset paper`, with hard_ft_iters=750 of its 5000): at the phase's first step each
-    router's b2 is shifted once so that p > 0.5 for the share of tokens its soft gate claims, mean(p_l)
-    (eq. 6's term; a soft-trained router at the paper's budget scales tokens by 1 − p but hardly halts
-    any), then frozen. Trained routers re-open in the phase and skip almost nothing (issue 12); calibrated,
-    frozen ones execute the savings the soft model reports (results/tsa.md, CPU proxy). exec_share=S in (0, 1]
-    instead shifts b2 so that a share S of the batch's tokens stays active at every router (the quantile S of
-    its logits): TLOps saved (L−1)(1−S)/L, an operating point λ alone no longer moves. "soft" is a control:
-    no hard phase at all, only hard_ft_lr's restart (is a gain the hard phase's or the extra step size's?).
-  * hard_ft_lr (`--preset paper`: 3e-4, its peak lr; default 0 = off): the phase's lr restarts at hard_ft_lr
-    and falls by a cosine to min_lr over the phase. The main schedule's tail (≈4e-5 → 3e-5 there) leaves the
-    backbone too little step size to adapt to the hard gates in 15% of the run (results/tsa.md, CPU proxy).
-  * hard_variant="scaled": an active token keeps its soft scale 1 − p at inference (paper: "01", the full
-    update); better than "01" in every run of results/tsa.md.
-  * skip_queries=True: the sparse path also skips halted tokens' query / attention / out-projection work
-    (paper: dense attention, its residual gated by the same binary mask).
-  * the stats report what inference really skips (hard decisions), not only eq. (6)'s soft α. In eval,
-    alpha / active_r* are eq. (6) on the router outputs of the hard pass (with or without targets);
-    soft_loss / soft_alpha come from a soft pass (eqs. 3–4) on the same batch.
-The paper preset's lr 3e-4 → 3e-5, dropout 0.1 and no warm-up come from the authors' code
-(AhmedHamadto/TSA, scripts/phase6_language.py); the paper states none of them. Numerics: fp32 residual
-stream, router probabilities in fp32 under autocast (common.py's policy).
+Deviations from the paper, one line each (Config fields; why, and what each measured: results/tsa.md):
+  * hard_ft_iters: the last iterations train with straight-through hard gates (forward: eval's; gradient: 1 − p's).
+  * hard_ft_routers: in that phase the routers "train", stay "frozen" or "calibrate"; "soft" = no phase (a control).
+  * "calibrate": at the phase's first step b2 shifts so that the share the soft gate claims, 1 − mean(p_l), runs.
+  * exec_share=S ("calibrate" only): a share S runs instead, so TLOps saved = (L−1)(1−S)/L, whatever λ did.
+  * hard_ft_lr > 0: the phase's lr restarts there and falls by a cosine to min_lr (the schedule's tail is too low).
+  * hard_variant="scaled": an active token keeps its soft scale 1 − p at inference (paper: "01", the full update).
+  * skip_queries=True: halted tokens also skip Q / attention / out-projection (paper: dense attention).
+  * stats report the hard decisions inference executes; eval's soft_loss / soft_alpha come from a soft pass.
+  * the router runs in fp32 under autocast (the numerics policy's fp32 decisions, also for its matmuls).
+  * `--preset paper`: lr 3e-4 → 3e-5, dropout 0.1 and no warm-up from the authors' code (the paper states none).
 
-Early-exit baseline (§3.5, App. D, `--variant=early_exit`): the same backbone with an exit head after each
-block (own LayerNorm + the tied embedding), trained on the mean CE of all exits; at inference a token exits
-when its max softmax probability exceeds `threshold` and its hidden state is frozen afterwards (it still
-provides K/V from the frozen state). It has no KV cache: its decode state is the token window.
+Early-exit baseline (§3.5, App. D, `--variant=early_exit`, class EarlyExit, built by `build(cfg)`): the same
+backbone with an exit head after each block (own LayerNorm + the tied embedding), trained on the mean CE of
+all exits; at inference a token exits when its max softmax probability exceeds `threshold`, and its hidden
+state is frozen afterwards (it still provides K/V from the frozen state). Its decode state is the token window.
 """
 import os
 import sys
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 import torch.nn as nn
@@ -79,7 +58,7 @@ class Config(common.Config):
     hard_ft_routers: str = "train"  # ... in which the routers "train", stay "frozen", "calibrate" or "soft" (docstring)
     hard_ft_lr: float = 0.0         # > 0: that phase's lr restarts here, cosine to min_lr (0: the schedule goes on)
     exec_share: float = 0.0         # "calibrate": share of routed token-layers left active (0: the soft gate's claim)
-    variant: str = "tsa"            # "tsa" | "early_exit" (the §3.5 baseline)
+    variant: str = "tsa"            # "tsa" | "early_exit" (the §3.5 baseline: class EarlyExit, see build)
     threshold: float = 1.0          # early exit: exit when max softmax prob > threshold (1.0: never)
     model: str = "tsa"
 
@@ -113,11 +92,9 @@ class Config(common.Config):
 PRESETS = {
     # The paper's Shakespeare setup (§3.2): d=256, L=6, H=8, d_ff=1024, ctx 128, batch 64, 5000 steps, AdamW
     # β=(0.9, 0.95), wd 0.1, cosine; its sparse-TSA (§3.6: "01" gates, dense attention), soft training only.
-    # lr, min_lr, dropout and warm-up: the authors' code (see the docstring). Deviation (ours, issue 12): the
-    # last 750 iterations straight-through with calibrated, frozen routers and the lr restarted at its peak,
-    # so that sparse inference skips what the soft model claims at the paper's soft model's quality (not at
-    # the quality of a soft model given the same restart: results/tsa.md); --hard_ft_iters=0 is the paper's
-    # recipe.
+    # lr, min_lr, dropout and warm-up: the authors' code. Ours: the last 750 iterations straight-through with
+    # calibrated, frozen routers and the lr restarted at its peak (results/tsa.md); --hard_ft_iters=0 is the
+    # paper's recipe.
     "paper": dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
                   learning_rate=3e-4, min_lr=3e-5, warmup_iters=0, beta2=0.95, weight_decay=0.1, dropout=0.1,
                   eval_interval=250, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=750,
@@ -128,8 +105,13 @@ PRESETS = {
 }
 
 
-QUERY_CHUNKS = 2  # sparse attention: active queries in this many position ranges (fewer masked scores)
+def build(cfg):
+    """The model cfg asks for: TSA, or the early-exit baseline (train.py calls this when a module has it)."""
+    return EarlyExit(cfg) if cfg.variant == "early_exit" else Model(cfg)
 
+
+# ----------------------------------------------------------------------------------------------------
+# Router (eq. 2)
 
 class Router(nn.Module):
     """Eq. (2): p = σ(W2 ReLU(W1 h + b1) + b2); d²/4 + d/2 + 1 parameters at d divisible by 4."""
@@ -140,45 +122,57 @@ class Router(nn.Module):
         self.fc2 = nn.Linear(max(d // 4, 16), 1)
 
     def forward(self, h):
-        z = self.fc2(F.relu(self.fc1(h)))  # (B, T, 1) router logit (bf16 under autocast)
-        return torch.sigmoid(z.to(torch.promote_types(z.dtype, torch.float32)))  # p_l in fp32 (or fp64)
+        # in h's dtype (fp32, the residual stream) even under autocast: the decision at p = 0.5 does not depend on
+        # the dtype the blocks run in, and no cast is dispatched (a GPU is bound by the number of ops here)
+        with torch.autocast(h.device.type, enabled=False):
+            return torch.sigmoid(self.fc2(F.relu(self.fc1(h))))  # (B, T, 1) p_l
 
+
+# ----------------------------------------------------------------------------------------------------
+# Block pieces: TSA reuses common.Block; the sparse path runs parts of it on subsets of tokens
 
 def gated(x, g, delta):
-    """Eqs. (3)–(4) for the active tokens: x + g ⊙ delta, delta cast to x's dtype; g None: the "01" gate, 1."""
-    return x + delta.to(x.dtype) if g is None else torch.addcmul(x, g, delta.to(x.dtype))
+    """Eqs. (3)–(4): x + g ⊙ delta; g None is the "01" gate, 1. fp32 x + bf16 delta promotes (no cast op)."""
+    return x + delta if g is None else x + g * delta
 
 
-def q_proj(attn, h):
-    """The query third of c_attn: (..., C) -> (..., C)."""
-    C, W, b = h.size(-1), attn.c_attn.weight, attn.c_attn.bias
-    return F.linear(h, W[:C], None if b is None else b[:C])
+def matmul_dtype(x):
+    """The dtype autocast runs matmuls in on x's device (x's own dtype without autocast)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def kv_proj(attn, h):
-    """The key and value thirds of c_attn: (..., C) -> k, v (..., C). Halted tokens need only these."""
-    C, W, b = h.size(-1), attn.c_attn.weight, attn.c_attn.bias
-    return F.linear(h, W[C:], None if b is None else b[C:]).split(C, dim=-1)
+def split_c_attn(attn, dtype):
+    """c_attn's weight (and bias) cast once to dtype, split into the query third and the key/value thirds:
+    (w_q, b_q), (w_kv, b_kv). Halted tokens need only K/V. (Autocast would cast each third on every call.)"""
+    C, w, b = attn.c_attn.in_features, attn.c_attn.weight.to(dtype), attn.c_attn.bias
+    b = None if b is None else b.to(dtype)
+    return (w[:C], None if b is None else b[:C]), (w[C:], None if b is None else b[C:])
 
+
+# ----------------------------------------------------------------------------------------------------
+# Model
 
 class Model(common.LM):
+    """TSA: common.Block blocks (names as common.Model, so --init_from a dense checkpoint loads them), a router
+    before every block after the stem. forward: soft (train), straight-through hard (the last hard_ft_iters
+    iterations), hard (eval, dense reference) or sparse (eval, sparse=True)."""
+
     def __init__(self, cfg):
         super().__init__(cfg)
+        if cfg.variant != "tsa":
+            raise NanorouteError(f"variant={cfg.variant!r} is built by tsa.build(cfg) (class EarlyExit)")
         L = cfg.n_layer
-        self.blocks = nn.ModuleList([common.Block(cfg) for _ in range(L)])  # names as common.Model (--init_from)
-        if cfg.variant == "tsa":
-            self.routers = nn.ModuleList([Router(cfg.n_embd) for _ in range(L - 1)])  # r_0..r_{L-2}
-        else:  # early exit: exit heads after blocks 0..L-2 (the last exit is the model's own ln_f + head)
-            self.exit_ln = nn.ModuleList([nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(L - 1)])
-        if cfg.hard_ft_routers in ("frozen", "calibrate") and cfg.hard_ft_iters and torch.distributed.is_available() \
-                and torch.distributed.is_initialized():  # DDP needs a gradient for every parameter
+        self.blocks = nn.ModuleList([common.Block(cfg) for _ in range(L)])
+        self.routers = nn.ModuleList([Router(cfg.n_embd) for _ in range(L - 1)])  # r_0..r_{L-2}
+        ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if cfg.hard_ft_routers in ("frozen", "calibrate") and cfg.hard_ft_iters and ddp:  # DDP: a grad per param
             raise NanorouteError(f"hard_ft_routers={cfg.hard_ft_routers} (routers without gradients) is not supported "
                                  "under DDP; run on one process or pass --hard_ft_routers=train")
         self.hard_train = False  # set by on_step during the last hard_ft_iters iterations
         self.calibrate_now = False  # set by on_step for the first of them (hard_ft_routers="calibrate")
-        self.threshold = cfg.threshold
         self.init_weights()
-        for r in getattr(self, "routers", []):
+        for r in self.routers:
             nn.init.constant_(r.fc2.bias, cfg.router_bias)
 
     def on_step(self, it):
@@ -194,17 +188,14 @@ class Model(common.LM):
             return common.lr_at(it, self.cfg)
         return common.cosine((it - start) / self.cfg.hard_ft_iters, self.cfg.hard_ft_lr, self.cfg.min_lr)
 
-    # ------------------------------------------------------------------------------------------------
-    # gates: soft (training, eqs. 3–4) and hard (inference, §3.6)
-
     def gate(self, p, mode):
-        """p (B, T, 1) -> the factor on both residual deltas of the next block."""
-        soft = 1.0 - p  # eq. (3)/(4): gate by 1 − p
+        """p (B, T, 1) -> the factor on both residual deltas of the next block: soft (eqs. 3–4), hard (§3.6:
+        p > 0.5 halts) or hard_st (straight-through: the hard value forward, the soft gradient backward)."""
+        soft = 1.0 - p
         if mode == "soft":
             return soft
-        active = p <= 0.5  # p > 0.5 halts
-        hard = active.to(p.dtype) * (soft if self.cfg.hard_variant == "scaled" else 1.0)
-        if mode == "hard_st":  # straight-through: the forward value is hard, the gradient is the soft one
+        hard = (p <= 0.5).to(p.dtype) * (soft if self.cfg.hard_variant == "scaled" else 1.0)
+        if mode == "hard_st":
             return hard.detach() + (soft - soft.detach())
         return hard
 
@@ -223,191 +214,105 @@ class Model(common.LM):
                     p = router(x)
                 p = p.detach()  # frozen: no gradient reaches the router, so AdamW skips it (no decay either)
             g = self.gate(p, mode)
-            x = x + g * block.attn_delta(x).to(x.dtype)  # eq. (3)
-            x = x + g * block.ffn_delta(x).to(x.dtype)   # eq. (4)
+            x = x + g * block.attn_delta(x)  # eq. (3)
+            x = x + g * block.ffn_delta(x)   # eq. (4)
             ps.append(p)
         self.calibrate_now = self.calibrate_now and mode != "hard_st"  # done
         return x, ps
-
-    def sparse_trunk(self, x, caches=None):
-        """Same numbers as trunk(x, 'hard'), but halted tokens skip work. Per routed block: one host sync (the
-        active tokens per row and query range), one gather of the active tokens' state x_a, the attention
-        delta and the FFN on x_a only, one scatter back: a halted token's state does not change inside the
-        block, and K/V come from ln_1(x) of every token before the block, as in the dense forward. With
-        caches (a list), every layer's K/V of every token is stored in it (prefill)."""
-        B, T, C = x.shape
-        if caches is None:
-            x = self.blocks[0](x)  # stem f0
-        else:  # ... also storing its K/V (prefill)
-            x, cache = self.blocks[0].prefill(x, self.cfg.block_size)
-            caches.append(cache)
-        ends = sorted({max(1, T * (j + 1) // QUERY_CHUNKS) for j in range(QUERY_CHUNKS)})  # query ranges by position
-        causal = torch.full((T, T), float("-inf"), dtype=x.dtype, device=x.device).triu(1)  # (T, T) additive mask
-        masks = [causal[:, :hi].contiguous() for hi in ends]  # (T, hi): the keys a query range can see
-        last = torch.tensor([e - 1 for e in ends], device=x.device)
-        ps = []
-        for router, block in zip(self.routers, self.blocks[1:]):
-            p = router(x)                                          # (B, T, 1)
-            active = (p <= 0.5).view(B, T)                         # (B, T) p > 0.5 halts
-            cum = active.cumsum(1).index_select(1, last).tolist()  # host sync: (B, Q) active tokens up to each range end
-            n = [[c - ([0] + row)[j] for j, c in enumerate(row)] for row in cum]  # (B, Q) ... in each range
-            idx = torch.nonzero_static(active.view(-1), size=sum(r[-1] for r in cum)).squeeze(1)  # (N,) row-major
-            ga = None if self.cfg.hard_variant == "01" else 1.0 - p.view(B * T, 1).index_select(0, idx)  # (N, 1) gates
-            xa = x.view(B * T, C).index_select(0, idx)            # (N, C) the active tokens' state
-            if self.cfg.skip_queries or caches is not None:
-                h = block.ln_1(x)                                  # (B, T, C)
-                xa = gated(xa, ga, self.sparse_attention(block.attn, h, idx, n, masks, caches))
-            else:  # the paper's sparse-TSA: dense attention, residual gated by the same binary mask
-                xa = gated(xa, ga, block.attn_delta(x).view(B * T, C).index_select(0, idx))
-            xa = gated(xa, ga, block.ffn_delta(xa))                # (N, C) FFN on active tokens only
-            x = x.view(B * T, C).index_copy(0, idx, xa).view(B, T, C)
-            ps.append(p)
-        return x, ps
-
-    def sparse_attention(self, attn, h, idx, n, masks, caches=None):
-        """h = ln_1(x) (B, T, C) -> c_proj(attention) of the N active tokens idx, (N, C). K/V for every token
-        (active queries attend to halted ones too); Q, attention and c_proj for the active ones only. Queries
-        of position range j = [hi_{j-1}, hi_j) see keys [0, hi_j) only, packed into a (B, W_j) grid (W_j: the
-        busiest row of n, (B, Q) active tokens per row and range) under the causal mask's rows (masks[j]) by
-        position; at B=1 the packing is the identity (slices). No boolean-mask indexing, no host sync."""
-        B, T, C = h.shape
-        k, v = (attn.split_heads(t) for t in kv_proj(attn, h))   # 2 × (B, nh, T, hs)
-        if caches is not None:
-            caches.append(common.KVCache(B, self.cfg.block_size, k, v))
-        q, t = q_proj(attn, h.view(B * T, C).index_select(0, idx)), idx % T  # (N, C) queries, (N,) positions
-        Q, W = len(masks), [max(col) for col in zip(*n)]         # per range: the busiest row
-        base = list(accumulate((B * w for w in W), initial=0))    # grid: range-major, then row, then rank
-        start = list(accumulate(sum(n, []), initial=0))           # queries before (row b, range j) in idx
-        shift = [base[j] + b * W[j] - start[b * Q + j] for b in range(B) for j in range(Q)]  # slot − index
-        if any(shift):
-            slot = torch.arange(len(idx), device=h.device) + torch.tensor(shift, device=h.device).repeat_interleave(
-                torch.tensor(sum(n, []), device=h.device), output_size=len(idx))  # (N,)
-            q = q.new_zeros(base[-1], C).index_copy_(0, slot, q)  # (S, C) padding slots: zeros
-            t = t.new_zeros(base[-1]).index_copy_(0, slot, t)     # (S,) ... at position 0
-        y = []
-        for j, mask in enumerate(masks):
-            if W[j]:
-                qj, tj = q[base[j]:base[j + 1]].view(B, W[j], C), t[base[j]:base[j + 1]]  # (B, W_j, C), (B·W_j,)
-                mask = mask.index_select(0, tj).view(B, 1, W[j], -1)  # (B, 1, W_j, hi_j) by position
-                hi = mask.size(-1)
-                y.append(attn.attend(attn.split_heads(qj), k[:, :, :hi], v[:, :, :hi], mask).view(B * W[j], C))
-        y = torch.cat(y or [q])                                   # (S, C)
-        return attn.c_proj(y.index_select(0, slot) if any(shift) else y)  # (N, C)
-
-    # ------------------------------------------------------------------------------------------------
 
     def forward(self, idx, targets=None, sparse=False):
         if sparse and self.training:
             raise NanorouteError("sparse=True is an inference path: call model.eval() first")
         x = self.embed(idx)  # (B, T, C)
-        if self.cfg.variant == "early_exit":
-            return self.exit_forward(x, targets)
+        hard = None  # (L−1,) shares of tokens that ran each routed block: the sparse path counts them on the host
         if sparse:
-            h, ps = self.sparse_trunk(x)
+            h, ps, hard = sparse_trunk(self, x)
         else:
             h, ps = self.trunk(x, "hard" if not self.training else "hard_st" if self.hard_train else "soft")
         logits, lm_loss = self.head(h, targets)
-        # eqs. (5)–(7) on the router outputs of the pass that produced the logits (soft in training, hard in eval)
-        active = torch.stack([(1.0 - p).mean() for p in ps])  # (L−1,) mean(1 − p_l)
-        alpha = active.mean()                                # eq. (6)
-        depth_loss = self.cfg.lam * alpha                    # eq. (5): the same mean, times λ
-        stats = {f"active_r{l}": a.detach() for l, a in enumerate(active)}
-        stats.update(alpha=alpha.detach(), tlops_saved=common.tlops_saving(alpha.detach(), self.cfg.n_layer),
-                     depth_loss=depth_loss.detach())
+        depth_loss, stats = depth_stats(ps, self.cfg)  # eqs. (5)–(7) on the pass that produced the logits
         if not self.training:  # what inference executed, and the training computation next to it
-            stats.update(self.hard_stats([(p <= 0.5).to(p.dtype).mean() for p in ps], idx.size(1)))
+            if hard is None:  # (L−1,) the sparse path's host division (count / B·T), on the device: equal bits
+                hard = (torch.cat(ps, -1) <= 0.5).sum((0, 1)).to(ps[0].dtype) / idx.numel()
+            stats.update(hard_stats(self.cfg, hard, idx.size(1)))
             if self.cfg.eval_soft and targets is not None and not sparse:
                 hs, ps_soft = self.trunk(x, "soft")
                 stats["soft_loss"] = self.head(hs, targets)[1]
-                stats["soft_alpha"] = torch.stack([(1.0 - p).mean() for p in ps_soft]).mean()
+                stats["soft_alpha"] = depth_stats(ps_soft, self.cfg)[1]["alpha"]
         if targets is None:
             return logits, None, stats
         stats["lm_loss"] = lm_loss.detach()
         return logits, lm_loss + depth_loss, stats
 
-    def hard_stats(self, hard, T):
-        """hard: the L−1 fractions of tokens that ran block l+1. The common names (skip_l{i} by block index,
-        skipped, flops_saved_hard) and TSA's own (hard_r{l}, alpha_hard, tlops_saved_hard)."""
-        L, a = self.cfg.n_layer, torch.stack(hard).mean()
-        mode = "exit" if self.cfg.variant == "early_exit" else "query" if self.cfg.skip_queries else "ffn"
-        stats = {f"hard_r{l}": h for l, h in enumerate(hard)}
-        stats.update({f"skip_l{l + 1}": 1.0 - h for l, h in enumerate(hard)})
-        stats.update(alpha_hard=a, tlops_saved_hard=common.tlops_saving(a, L), skipped=1.0 - a,
-                     flops_saved_hard=1.0 - flops_per_token(self.cfg, T, a, mode) / common.dense_flops_per_token(self.cfg, T))
-        return stats
-
-    # ------------------------------------------------------------------------------------------------
-    # Cached decoding (common.LM.generate): hard routing, the same decisions as the eval forward
-
     @torch.no_grad()
     def prefill(self, idx):
         """idx (B, T) -> (logits (B, V) of the last position, state); one sparse forward filling the caches."""
-        if self.cfg.variant == "early_exit":  # no cache: the state is the window itself
-            return self(idx)[0][:, -1], idx
         caches = []
-        h, _ = self.sparse_trunk(self.embed(idx), caches)
-        return self.head(h[:, -1:])[0][:, -1], (caches, idx.size(1))
+        h = sparse_trunk(self, self.embed(idx), caches)[0]
+        return self.head(h[:, -1:])[0][:, -1], (caches, torch.tensor(idx.size(1), device=idx.device))
 
     @torch.no_grad()
     def step(self, tok, state):
-        """tok (B, 1): one new token at position pos -> (logits (B, V), state)."""
-        if self.cfg.variant == "early_exit":
-            idx = torch.cat([state, tok], dim=1)
-            return self(idx)[0][:, -1], idx
+        """tok (B, 1) at position pos (a 0-d tensor) -> (logits (B, V), state); shapes fixed from token to token."""
         caches, pos = state
-        x = self.wte(tok) + self.wpe.weight[pos]  # (B, 1, C)
-        x = self.blocks[0].step(x, caches[0], pos)  # the stem: common.Block's cached step
+        x = self.wte(tok) + self.wpe(pos)  # (B, 1, C)
+        mask = common.past_mask(pos, self.cfg.block_size, caches[0].k.dtype)  # (1, S)
+        x = self.blocks[0].step(x, caches[0], pos, mask)  # the stem: common.Block's cached step
         for router, block, cache in zip(self.routers, self.blocks[1:], caches[1:]):
-            x = self.decode_block(block, cache, x, pos, router(x))
+            x = decode_block(self, block, cache, x, pos, mask, router(x))
         return self.head(x)[0][:, -1], (caches, pos + 1)
 
-    def decode_block(self, block, cache, x, pos, p):
-        """x (B, 1, C), p (B, 1, 1) halting probabilities -> x after routed block l+1 (semantics: the docstring
-        at the top). Every row writes its K/V; the rest runs unless every row halts."""
-        attn, h = block.attn, block.ln_1(x)                                # (B, 1, C)
-        if min(p.view(-1).tolist()) > 0.5:  # host sync: every row halts -> K/V only, no q / attention / c_proj / FFN
-            cache.append(pos, *(attn.split_heads(t) for t in kv_proj(attn, h)))
-            return x
-        q, k, v = attn.qkv(h)                                              # 3 × (B, nh, 1, hs)
-        k, v = cache.append(pos, k, v)                                     # (B, nh, pos + 1, hs)
-        y = attn.attend(q, k, v, causal=False)                             # (B, 1, C)
-        # B > 1: the eval gate (0 for halted rows); B = 1: the token is active, its gate is 1 ("01") or 1 − p
-        g = self.gate(p, "hard") if x.size(0) > 1 else None if self.cfg.hard_variant == "01" else 1.0 - p
-        x = gated(x, g, attn.c_proj(y))
-        return gated(x, g, block.ffn_delta(x))
+    @torch.no_grad()
+    def routing_map(self, idx):
+        """idx (1, T) -> (m (L, T) on CPU, rows, legend): row 0 the fraction of the L−1 routed blocks each
+        token ran, then one row per routed block (1 = ran it) — the hard decisions inference takes."""
+        was_training = self.training
+        self.eval()
+        actives = [p <= 0.5 for p in self.trunk(self.embed(idx), "hard")[1]]
+        self.train(was_training)
+        return routing_rows(actives)
 
-    # ------------------------------------------------------------------------------------------------
-    # early-exit baseline (§3.5)
+
+class EarlyExit(common.LM):
+    """The early-exit baseline (§3.5, App. D): exit heads after blocks 0..L−2 (the last exit is the model's own
+    ln_f + head). Train: mean CE over all L exits. Eval: confidence exit with frozen hidden states; the stats
+    count block l+1 as active for the tokens that have not exited after block l (the same α as TSA)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        L = cfg.n_layer
+        self.blocks = nn.ModuleList([common.Block(cfg) for _ in range(L)])
+        self.exit_ln = nn.ModuleList([nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(L - 1)])
+        self.threshold = cfg.threshold
+        self.init_weights()
 
     def exit_norm(self, l):
         return self.exit_ln[l] if l < self.cfg.n_layer - 1 else self.ln_f
 
-    def exit_forward(self, x, targets):
-        """Train: mean CE over all L exits. Eval: confidence exit with frozen hidden states; the stats
-        count block l+1 as active for the tokens that have not exited after block l (same α as TSA)."""
-        stats = {}
-        if self.training:
-            losses = []
-            for l, block in enumerate(self.blocks):
-                x = block(x)
-                logits = self.lm_head(self.exit_norm(l)(x))  # (B, T, V) exit l, tied embedding
-                if targets is not None:
-                    losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1))
+    def forward(self, idx, targets=None, sparse=False):
+        if sparse and self.training:
+            raise NanorouteError("sparse=True is an inference path: call model.eval() first")
+        x = self.embed(idx)  # (B, T, C)
+        if not self.training:
+            out, actives = self.exit_infer(x)
+            hard = torch.stack([a.to(x.dtype).mean() for a in actives])  # (L−1,)
+            stats = hard_stats(self.cfg, hard, x.size(1))
+            stats.update(alpha=stats["alpha_hard"], tlops_saved=stats["tlops_saved_hard"])
             if targets is None:
-                return logits, None, stats
-            loss = torch.stack(losses).mean()
-            stats.update(lm_loss=losses[-1].detach(), exit_loss=loss.detach())
-            return logits, loss, stats
-        out, actives = self.exit_infer(x)
-        hard = [a.to(x.dtype).mean() for a in actives]
-        alpha = torch.stack(hard).mean()
-        stats.update(self.hard_stats(hard, x.size(1)))
-        stats.update(alpha=alpha, tlops_saved=common.tlops_saving(alpha, self.cfg.n_layer))
+                return out, None, stats
+            lm_loss = F.cross_entropy(out.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            stats["lm_loss"] = lm_loss.detach()
+            return out, lm_loss, stats
+        losses = []
+        for l, block in enumerate(self.blocks):
+            x = block(x)
+            logits = self.lm_head(self.exit_norm(l)(x))  # (B, T, V) exit l, tied embedding
+            if targets is not None:
+                losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1))
         if targets is None:
-            return out, None, stats
-        lm_loss = F.cross_entropy(out.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
-        stats["lm_loss"] = lm_loss.detach()
-        return out, lm_loss, stats
+            return logits, None, {}
+        loss = torch.stack(losses).mean()
+        return logits, loss, {"lm_loss": losses[-1].detach(), "exit_loss": loss.detach()}
 
     def exit_infer(self, x):
         """-> logits of each token's exit (B, T, V), and for l = 0..L−2 the (B, T) mask of the tokens that
@@ -425,24 +330,132 @@ class Model(common.LM):
                 actives.append(~done)
         return out, actives
 
-    # ------------------------------------------------------------------------------------------------
-    # Routing picture (contract 4, Fig. 4)
+    @torch.no_grad()
+    def prefill(self, idx):
+        """No KV cache (an exited token's K/V come from its frozen state): the state is the window itself."""
+        return self(idx)[0][:, -1], idx
+
+    @torch.no_grad()
+    def step(self, tok, state):
+        idx = torch.cat([state, tok], dim=1)
+        return self(idx)[0][:, -1], idx
 
     @torch.no_grad()
     def routing_map(self, idx):
-        """idx (1, T) -> (m (L, T) on CPU, rows, legend): row 0 the fraction of the L−1 routed blocks each
-        token ran, then one row per routed block (1 = ran it) — the hard decisions inference takes."""
         was_training = self.training
         self.eval()
-        x = self.embed(idx)
-        if self.cfg.variant == "early_exit":
-            actives = self.exit_infer(x)[1]
-        else:
-            actives = [p <= 0.5 for p in self.trunk(x, "hard")[1]]
+        actives = self.exit_infer(self.embed(idx))[1]
         self.train(was_training)
-        m = torch.stack([a.reshape(-1) for a in actives]).float().cpu()  # (L−1, T)
-        rows = ["depth: share of routed layers run"] + [f"layer {l + 1}" for l in range(len(actives))]
-        return torch.cat([m.mean(0, keepdim=True), m]), rows, ("halted", "active")
+        return routing_rows(actives)
+
+
+def routing_rows(actives):
+    """L−1 masks (1, T) of the tokens that ran each routed block -> routing_map's (m (L, T), rows, legend)."""
+    m = torch.stack([a.reshape(-1) for a in actives]).float().cpu()  # (L−1, T)
+    rows = ["depth: share of routed layers run"] + [f"layer {l + 1}" for l in range(len(actives))]
+    return torch.cat([m.mean(0, keepdim=True), m]), rows, ("halted", "active")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Losses and stats: eqs. (5)–(7) on the router outputs, and what the hard decisions executed
+
+def depth_stats(ps, cfg):
+    """ps: the L−1 router outputs (B, T, 1) -> (L_depth of eq. 5, stats: active_r{l}, α of eq. 6, Δ of eq. 7)."""
+    active = (1.0 - torch.cat(ps, -1)).mean((0, 1))  # (L−1,) mean(1 − p_l)
+    alpha = active.mean()                            # eq. (6)
+    depth_loss = cfg.lam * alpha                     # eq. (5): the same mean, times λ
+    stats = {f"active_r{l}": a for l, a in enumerate(active.detach())}
+    stats.update(alpha=alpha.detach(), tlops_saved=common.tlops_saving(alpha.detach(), cfg.n_layer),
+                 depth_loss=depth_loss.detach())
+    return depth_loss, stats
+
+
+def hard_stats(cfg, hard, T):
+    """hard (L−1,): the shares of tokens that ran block l+1 -> the common names (skip_l{i} by block index,
+    skipped, flops_saved_hard) and TSA's own (hard_r{l}, alpha_hard, tlops_saved_hard)."""
+    a = hard.mean()
+    mode = "exit" if cfg.variant == "early_exit" else "query" if cfg.skip_queries else "ffn"
+    dense = common.dense_flops_per_token(cfg, T)
+    f0, f1 = (flops_per_token(cfg, T, x, mode) / dense for x in (0.0, 1.0))  # the FLOPs are affine in α
+    stats = {f"hard_r{l}": h for l, h in enumerate(hard)}
+    stats.update({f"skip_l{l + 1}": s for l, s in enumerate(1.0 - hard)})
+    stats.update(alpha_hard=a, tlops_saved_hard=common.tlops_saving(a, cfg.n_layer), skipped=1.0 - a,
+                 flops_saved_hard=(1.0 - f0) - (f1 - f0) * a)
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sparse inference (§3.6): the numbers of the eval forward, with the work of halted tokens skipped
+
+def sparse_trunk(model, x, caches=None):
+    """Same numbers as model.trunk(x, "hard"), but per routed block the active tokens' state is gathered into N
+    rows; their queries, out-projection and FFN run on those rows only, and one index_copy writes them back (a
+    halted token's state does not change inside the block). K/V come from ln_1(x) of every token, as in the
+    dense forward. One host sync per routed block (N sets the shapes). With caches (a list), every layer's K/V
+    of every token is stored in it (prefill). Returns the final state, the L−1 router outputs and the (L−1,)
+    shares of tokens that ran each routed block."""
+    B, T, C = x.shape
+    cfg = model.cfg
+    if caches is None:
+        x = model.blocks[0](x)  # stem f0
+    else:  # ... also storing its K/V (prefill)
+        x, cache = model.blocks[0].prefill(x, cfg.block_size)
+        caches.append(cache)
+    ps, ran = [], []
+    for router, block in zip(model.routers, model.blocks[1:]):
+        p = router(x)                                                      # (B, T, 1)
+        idx = (p <= 0.5).view(-1).nonzero().squeeze(1)                     # (N,) active tokens (a host sync)
+        N = idx.numel()
+        ps.append(p)
+        ran.append(N / (B * T))
+        attn = block.attn
+        if cfg.skip_queries or caches is not None:
+            h = block.ln_1(x).to(matmul_dtype(x))                          # (B, T, C), cast once for K/V and Q
+            (w_q, b_q), (w_kv, b_kv) = split_c_attn(attn, h.dtype)
+            k, v = (attn.split_heads(t) for t in F.linear(h, w_kv, b_kv).split(C, -1))  # 2 × (B, nh, T, hs)
+            if caches is not None:
+                caches.append(common.KVCache(B, cfg.block_size, k, v))
+        if N == 0:  # every token halts: nothing else to run
+            continue
+        ga = None if cfg.hard_variant == "01" else (1.0 - p).view(B * T, 1).index_select(0, idx)  # (N, 1)
+        xa = x.view(B * T, C).index_select(0, idx)                         # (N, C) the active tokens' state
+        if cfg.skip_queries or caches is not None:
+            q = F.linear(h.view(B * T, C).index_select(0, idx), w_q, b_q)  # (N, C) active queries only
+            # The attention kernel runs on all T query slots; a halted token's slot keeps its ln_1 output (q is
+            # written over h, no longer needed) as a query whose output is discarded. Packing the active queries
+            # per row instead would make the query length change with the routing (on CUDA, SDPA then picks cuDNN
+            # attention, which sets itself up anew for every new length) and cost 6 more ops per block (sort,
+            # slots, zeros, a position mask) than this one fixed-shape causal call. The FLOPs accounting counts
+            # the active queries' scores (the algorithm's); the kernel's work on the other slots is padding.
+            q = h.view(B * T, C).index_copy_(0, idx, q).view(B, T, C)     # (B, T, C)
+            y = attn.attend(attn.split_heads(q), k, v).view(B * T, C).index_select(0, idx)  # (N, C)
+            xa = gated(xa, ga, attn.c_proj(y))
+        else:  # the paper's sparse-TSA: dense attention, its residual gated by the same binary mask
+            xa = gated(xa, ga, block.attn_delta(x).view(B * T, C).index_select(0, idx))
+        xa = gated(xa, ga, block.ffn_delta(xa))                            # (N, C) FFN on active tokens only
+        x = x.view(B * T, C).index_copy(0, idx, xa).view(B, T, C)
+    return x, ps, torch.tensor(ran, dtype=ps[0].dtype, device=x.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cached decoding (common.LM.generate): hard routing, the same decisions as the eval forward
+
+def decode_block(model, block, cache, x, pos, mask, p):
+    """One routed block of a decode step: x (B, 1, C), p (B, 1, 1). Every row writes its K/V at pos; the rest of
+    the block runs unless every row halts. That decision is taken on the host (one sync per layer), so a
+    compiled step captures two variants of a layer (K/V only; the whole block) and replays them once seen."""
+    attn, h = block.attn, block.ln_1(x)                                    # (B, 1, C)
+    if p.min().item() > 0.5:  # every row halts: K/V only, no q / attention / c_proj / FFN
+        w_kv, b_kv = split_c_attn(attn, matmul_dtype(h))[1]
+        cache.append(pos, *(attn.split_heads(t) for t in F.linear(h, w_kv, b_kv).split(h.size(-1), -1)))
+        return x
+    q, k, v = attn.qkv(h)                                                  # 3 × (B, nh, 1, hs)
+    k, v = cache.append(pos, k, v)                                         # (B, nh, S, hs)
+    y = attn.attend(q, k, v, attn_mask=mask)                               # (B, 1, C)
+    # B > 1: the eval gate (0 for halted rows); B = 1: the token is active, its gate is 1 ("01") or 1 − p
+    g = model.gate(p, "hard") if x.size(0) > 1 else None if model.cfg.hard_variant == "01" else 1.0 - p
+    x = gated(x, g, attn.c_proj(y))
+    return gated(x, g, block.ffn_delta(x))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -472,7 +485,7 @@ def flops_per_token(cfg, T, alpha=1.0, mode="dense"):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Tools: early-exit threshold sweep
+# CLI: early-exit threshold sweep
 
 @torch.no_grad()
 def exit_sweep(model, data, meta, cfg, device, thresholds=None):
@@ -490,7 +503,7 @@ def exit_sweep(model, data, meta, cfg, device, thresholds=None):
 def load_run(run_dir):
     ckpt = common.load_checkpoint(os.path.join(run_dir, "ckpt.pt"))
     cfg = Config(**ckpt["config"])
-    model = Model(cfg)
+    model = build(cfg)
     model.load_state_dict(ckpt["model"])
     return model.eval(), cfg
 
