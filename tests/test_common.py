@@ -1,9 +1,11 @@
 """Foundation: data preparation (against a server on 127.0.0.1), batches, the dense GPT, accounting,
 checkpoints and exact resume, the CLI's errors, and a 2-process DDP run."""
+import dataclasses
 import hashlib
 import http.server
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -14,6 +16,8 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import common
@@ -154,6 +158,32 @@ def test_copy_sort_records_and_target_masking(tmp_path, task):
     assert (y[:, 21] == common.EOS).all()
 
 
+def test_batches_reach_every_window_of_the_split():
+    """Windows start anywhere from the split's first token to the last start that still has a target: the
+    first and the last position of the split are both seen, and y is x shifted by exactly one (a sampler
+    whose upper bound is one short never trains on the split's tail)."""
+    meta, T = {"dataset": "shakespeare", "unit": "char"}, 8
+    for n in (T + 5, T + 1):  # five windows, then only one
+        data = np.arange(n, dtype=np.uint16)
+        x, y = common.get_batch(data, meta, 200, T, np.random.default_rng(0))
+        assert torch.equal(y, x + 1)  # arange: the target of every position is the next token of the split
+        assert torch.equal(x - x[:, :1], torch.arange(T).expand(200, T))  # contiguous windows
+        assert set(x[:, 0].tolist()) == set(range(n - T))  # every start, 0 and n - T - 1 included
+        assert x.min() == 0 and y.max() == n - 1  # the first token is read, the last is predicted
+
+
+def test_record_batches_reach_every_record():
+    """copy/sort batches are whole records drawn from all of them, the last record included."""
+    R, n = 2 * common.TASK_LEN + 3, 6
+    meta = {"dataset": "copy", "record_len": R, "unit": "token"}
+    data = np.arange(n * R, dtype=np.uint16)
+    x, y = common.get_batch(data, meta, 200, R - 1, np.random.default_rng(0))
+    assert set((x[:, 0] // R).tolist()) == set(range(n))
+    assert torch.equal(x - x[:, :1], torch.arange(R - 1).expand(200, R - 1))  # whole records, from their start
+    assert (y[:, :common.TASK_LEN + 1] == -1).all()
+    assert torch.equal(y[:, common.TASK_LEN + 1:], x[:, common.TASK_LEN + 1:] + 1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the dense GPT
 
@@ -227,6 +257,179 @@ def test_dense_flops_match_torch_flop_counter():
 
 
 # ---------------------------------------------------------------------------------------------------
+# the learning-rate schedule and AdamW's groups
+
+def cosine_expected(it, cfg):
+    """The documented shape, written out: linear warm-up from lr/warmup_iters to the peak, then half a
+    cosine from the peak at warmup_iters to min_lr at max_iters, and min_lr from then on."""
+    lr, lo, w, n = cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.max_iters
+    if it < w:
+        return lr * (it + 1) / w
+    if it >= n:
+        return lo
+    return lo + 0.5 * (1 + math.cos(math.pi * (it - w) / (n - w))) * (lr - lo)
+
+
+@pytest.mark.parametrize("warmup,max_iters", [(10, 100), (1, 7), (0, 50), (4, 5)])
+def test_lr_schedule_warms_up_linearly_and_floors_at_min_lr(warmup, max_iters):
+    """The warm-up starts at lr/warmup_iters (never 0), grows by the same amount every step and is at the
+    peak at warmup_iters; the cosine reaches min_lr exactly at max_iters and stays there after it (a run
+    resumed or continued past max_iters must not climb back up the cosine)."""
+    cfg = common.Config(learning_rate=1e-3, min_lr=1e-4, warmup_iters=warmup, max_iters=max_iters)
+    lrs = [common.lr_at(it, cfg) for it in range(3 * max_iters + 5)]
+    assert lrs == pytest.approx([cosine_expected(it, cfg) for it in range(len(lrs))], rel=1e-9, abs=0)
+    if warmup:
+        assert lrs[0] == pytest.approx(1e-3 / warmup)
+        assert np.diff(lrs[:warmup]) == pytest.approx([1e-3 / warmup] * (warmup - 1))
+    assert lrs[warmup] == pytest.approx(1e-3) and max(lrs) == pytest.approx(1e-3)
+    assert all(b <= a + 1e-15 for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))  # only down after the peak
+    assert lrs[max_iters:] == pytest.approx([1e-4] * (len(lrs) - max_iters), rel=1e-9)
+
+
+def test_tsa_lr_schedule_restarts_for_the_hard_phase_and_floors_at_min_lr():
+    """TSA's own lr_at (what train.py uses for it): the common schedule before the hard phase (and all the
+    way with hard_ft_lr=0); with hard_ft_lr a fresh cosine from hard_ft_lr at the phase's first step to
+    min_lr at max_iters, and min_lr after it."""
+    import tsa
+    base = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, learning_rate=1e-3, min_lr=1e-4, warmup_iters=5,
+                max_iters=40, hard_ft_iters=10)
+    off = tsa.Model(tsa.Config(**base))
+    assert [off.lr_at(it) for it in range(100)] == [common.lr_at(it, off.cfg) for it in range(100)]
+    model = tsa.Model(tsa.Config(**base, hard_ft_lr=5e-4))
+    lrs = [model.lr_at(it) for it in range(100)]
+    assert lrs[:30] == [common.lr_at(it, model.cfg) for it in range(30)]
+    phase = [1e-4 + 0.5 * (1 + math.cos(math.pi * i / 10)) * (5e-4 - 1e-4) for i in range(10)]
+    assert lrs[30:40] == pytest.approx(phase, rel=1e-9) and lrs[30] == pytest.approx(5e-4)
+    assert lrs[40:] == pytest.approx([1e-4] * 60, rel=1e-9)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="tsa.Model.lr_at: with hard_ft_iters > max_iters (the whole run is the hard phase) the "
+                   "phase's cosine is evaluated at it - start with start < 0, so step 0 is already part-way down "
+                   "the cosine instead of at hard_ft_lr")
+def test_tsa_hard_phase_covering_the_whole_run_starts_at_hard_ft_lr():
+    """hard_ft_iters > max_iters means every step is in the hard phase (on_step calibrates at step
+    max(start, 0)): the phase's lr then restarts at hard_ft_lr at step 0 and still ends at min_lr."""
+    import tsa
+    model = tsa.Model(tsa.Config(n_layer=2, n_head=2, n_embd=16, block_size=8, learning_rate=1e-3, min_lr=1e-4,
+                                 warmup_iters=5, max_iters=40, hard_ft_iters=60, hard_ft_lr=5e-4))
+    assert model.lr_at(40) == pytest.approx(1e-4)
+    assert model.lr_at(0) == pytest.approx(5e-4)
+
+
+# Every model, tiny, built from a Config the way train.py builds it (flags as on its command line).
+TINY = {"gpt": [], "tsa": [], "dtrnet": ["--n_layer=3"], "conddepth": [], "hybrid": ["--n_layer=4"]}
+
+
+def tiny_model(name, *flags):
+    cfg, module, _ = train.parse_args(["--model", name, "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16",
+                                       *TINY[name], *flags])
+    torch.manual_seed(0)
+    return module.Model(cfg), cfg
+
+
+def decay_policy(model):
+    """make_optimizer's documented policy, stated by what a parameter is rather than by its name or shape:
+    (ids decayed, ids not decayed, ids the policy does not name). Decayed: the weights of Linear and Conv
+    layers (matrices), except the one tied to the token embedding. Not decayed: biases, norm gains,
+    embedding tables, and every 1-D parameter (gates, A_log, dt_bias, ...). Unnamed: a bare >= 2-D
+    nn.Parameter that is not a layer's weight."""
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad}
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))}
+    decay = (matrices - tables) & trainable.keys()
+    unnamed = {i for i, p in trainable.items() if i not in decay | tables and p.dim() >= 2}
+    return decay, trainable.keys() - decay - unnamed, unnamed
+
+
+@pytest.mark.parametrize("name,flags", [
+    ("gpt", ["--bias=true"]), ("tsa", ["--bias=true"]), ("tsa", ["--variant=early_exit"]),
+    ("dtrnet", ["--bias=true"]), ("conddepth", []), ("conddepth", ["--controller_only=false", "--gate=G1"]),
+    ("hybrid", ["--bias=true"])], ids=lambda v: v if isinstance(v, str) else "-".join(a[2:] for a in v) or "default")
+def test_adamw_decays_matrices_only_and_holds_every_trainable_parameter_once(name, flags):
+    """Every trainable parameter is in exactly one group (the tied wte/lm_head weight once, frozen ones in
+    none); the decayed group is exactly the matrices, at cfg.weight_decay; biases, norms, embeddings and
+    1-D gate parameters are in a group with weight decay 0; betas and lr are the Config's."""
+    model, cfg = tiny_model(name, *flags)
+    opt = common.make_optimizer(model, cfg, torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}  # the tied weight is named once, as wte.weight
+    held = sorted(names[id(p)] for g in opt.param_groups for p in g["params"])
+    assert held == sorted(n for n, p in model.named_parameters() if p.requires_grad)  # each once, none frozen
+    assert model.lm_head.weight is model.wte.weight
+    wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    decay, no_decay, unnamed = decay_policy(model)
+    assert decay and no_decay
+    assert sorted(names[i] for i in decay if wd[i] != cfg.weight_decay) == []
+    assert sorted(names[i] for i in no_decay if wd[i] != 0.0) == []
+    assert all(wd[i] in (0.0, cfg.weight_decay) for i in unnamed)
+    assert cfg.weight_decay > 0 and opt.defaults["betas"] == (cfg.beta1, cfg.beta2)
+    assert all(g["lr"] == cfg.learning_rate for g in opt.param_groups)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="common.make_optimizer recognises embeddings by the names wte/wpe/lm_head only, so "
+                   "conddepth's G3 action embeddings e_full/e_cheap (GateG3.e, a bare 2-D Parameter) are "
+                   "weight-decayed although the policy exempts embeddings")
+def test_adamw_does_not_decay_conddepth_action_embeddings():
+    """eq. (12)'s e_a (GateG3.e: one learned row per action) is an embedding table, not a matrix."""
+    model, cfg = tiny_model("conddepth", "--gate=G3")
+    opt = common.make_optimizer(model, cfg, torch.device("cpu"))
+    wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert [wd[id(g.e)] for g in model.gates] == [0.0] * len(model.gates)
+
+
+# ---------------------------------------------------------------------------------------------------
+# evaluation
+
+def test_eval_batches_are_fixed_and_differ_by_split_and_index():
+    """eval_rng(seed, split, k) gives the same k-th batch in every run, a different batch for every k, and
+    train and val batches drawn differently (the same windows in both would correlate the two numbers)."""
+    data, meta = np.arange(5000, dtype=np.uint16), {"dataset": "shakespeare"}
+    batch = lambda seed, split, k: common.get_batch(data, meta, 4, 16, common.eval_rng(seed, split, k))[0]
+    assert torch.equal(batch(3, "val", 1), batch(3, "val", 1))
+    xs = [batch(3, split, k) for split in ("train", "val", "test") for k in range(3)] + [batch(4, "val", 0)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(xs) for b in xs[i + 1:])
+
+
+@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("kind", ["chars", "records"])
+def test_estimate_loss_is_the_mean_over_eval_iters_fixed_batches(name, kind):
+    """The reported loss is the cross-entropy of the eval-mode (hard) logits averaged over exactly
+    cfg.eval_iters batches k = 0..eval_iters−1 drawn with eval_rng(eval seed, split, k) (eval_seed, or seed
+    when it is -1); accuracy counts only scored targets; every routing stat is averaged the same way; bpc
+    is the loss in bits; the model's training mode is restored. Checked against a direct computation."""
+    model, cfg = tiny_model(name, "--block_size=22", "--batch_size=3", "--eval_iters=3", "--seed=5")
+    if kind == "chars":
+        meta, data = {"dataset": "shakespeare", "unit": "char"}, np.random.default_rng(0).integers(0, 65, 400)
+    else:
+        meta = {"dataset": "copy", "record_len": 23, "unit": "token"}
+        data = np.random.default_rng(0).integers(0, 35, 23 * 30)
+    data = data.astype(np.uint16)
+    for eval_seed, used in ((-1, 5), (0, 0)):
+        cfg_e = dataclasses.replace(cfg, eval_seed=eval_seed)
+        for split in ("train", "val"):
+            model.train()
+            got = common.estimate_loss(model, data, meta, cfg_e, torch.device("cpu"), split)
+            assert model.training
+            model.eval()
+            per = []
+            with torch.no_grad():
+                for k in range(cfg.eval_iters):
+                    rng = common.eval_rng(used, split, k)
+                    x, y = common.get_batch(data, meta, cfg.batch_size, cfg.block_size, rng)
+                    logits, _, stats = model(x, y)
+                    scored = y >= 0
+                    per.append({**{n: v.item() for n, v in stats.items() if n != "lm_loss"},
+                                "loss": F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1).item(),
+                                "acc": (logits.argmax(-1) == y)[scored].float().mean().item()})
+            want = {n: float(np.mean([p[n] for p in per])) for n in per[0]}
+            if kind == "chars":
+                want["bpc"] = want["loss"] / math.log(2)
+            assert sorted(got) == sorted(want)
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (split, eval_seed)
+
+
+# ---------------------------------------------------------------------------------------------------
 # checkpoints, resume and the CLI
 
 def run(argv, data_dir, out_dir, **extra):
@@ -282,6 +485,143 @@ def test_nan_loss_stops_with_the_step(data_dir, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         run([], data_dir, tmp_path)
     assert "loss became nan at step 0" in capsys.readouterr().err
+
+
+def interrupted_save(cut):
+    """A torch.save that writes only the first `cut` bytes of what it was given (None: all of them), then
+    fails: a crash, a full disk or a kill at any point of a checkpoint write."""
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        buf = io.BytesIO()
+        real(obj, buf, *args, **kwargs)
+        data = buf.getvalue()[:cut]
+        if isinstance(f, (str, os.PathLike)):
+            with open(f, "wb") as fh:
+                fh.write(data)
+        else:
+            f.write(data)
+        raise OSError(28, "No space left on device")
+    return save
+
+
+@pytest.mark.parametrize("cut", [0, 1, 100, -1, None], ids=["nothing", "1B", "100B", "all-but-1B", "all"])
+def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch, cut):
+    """save_checkpoint is atomic: a write that dies at any byte leaves the previous ckpt.pt loadable and
+    equal to what it was, no new *.pt file that --resume or --sample could pick up, and a first checkpoint
+    that dies leaves no ckpt.pt at all; the next save then succeeds and leaves no temporary file."""
+    path, fresh = str(tmp_path / "run" / "ckpt.pt"), str(tmp_path / "run" / "best.pt")
+    old = dict(model={"w": torch.arange(3000.0)}, config={"n_embd": 32}, iter=10, best_val_loss=1.5)
+    new = dict(model={"w": -torch.arange(3000.0)}, config={"n_embd": 32}, iter=15, best_val_loss=1.25)
+    common.save_checkpoint(path, **old)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", interrupted_save(cut))
+        for p in (path, fresh):
+            with pytest.raises(OSError):
+                common.save_checkpoint(p, **new)
+    ckpt = common.load_checkpoint(path)
+    assert ckpt["iter"] == 10 and torch.equal(ckpt["model"]["w"], old["model"]["w"])
+    assert [f for f in os.listdir(tmp_path / "run") if f.endswith(".pt")] == ["ckpt.pt"]
+    with pytest.raises(common.NanorouteError, match="not found"):
+        common.load_checkpoint(fresh)
+    common.save_checkpoint(path, **new)
+    assert common.load_checkpoint(path)["iter"] == 15
+    common.save_checkpoint(fresh, **new)
+    assert sorted(os.listdir(tmp_path / "run")) == ["best.pt", "ckpt.pt"]
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError, reason="common.load_checkpoint words its error with "
+                   "str(e).splitlines()[0]; torch.load of an empty file raises EOFError with an empty message, so "
+                   "an empty checkpoint raises IndexError (a traceback from --resume) instead of the one-line error")
+def test_empty_checkpoint_is_a_one_line_error(tmp_path):
+    """A zero-byte checkpoint (what a crash leaves behind a writer that is not atomic, or a full disk) is
+    reported like any other corrupt checkpoint."""
+    (tmp_path / "ckpt.pt").write_bytes(b"")
+    with pytest.raises(common.NanorouteError, match="corrupt"):
+        common.load_checkpoint(str(tmp_path / "ckpt.pt"))
+
+
+def grad_norms_at_step(monkeypatch):
+    """Spy on train.py's optimizer: the L2 norm of the gradients each optimizer.step() really steps with."""
+    seen, real = [], common.make_optimizer
+
+    def spy(model, cfg, device):
+        opt = real(model, cfg, device)
+
+        def pre_step(o, args, kwargs):
+            grads = [p.grad.flatten() for g in o.param_groups for p in g["params"] if p.grad is not None]
+            seen.append(torch.cat(grads).norm().item())
+        opt.register_step_pre_hook(pre_step)
+        return opt
+    monkeypatch.setattr(common, "make_optimizer", spy)
+    return seen
+
+
+def test_grad_clip_is_applied_to_the_step(data_dir, tmp_path, monkeypatch):
+    """With grad_clip the optimizer steps with the gradient rescaled to norm grad_clip whenever the logged
+    (pre-clipping) norm is above it; with grad_clip=0 it steps with the logged, unclipped gradient."""
+    monkeypatch.setattr(train, "summary", lambda *a: None)  # the loop is what is tested here
+    seen = grad_norms_at_step(monkeypatch)
+    run(["--grad_clip=0.02", "--max_iters=6", "--dropout=0"], data_dir, tmp_path / "clip")
+    logged = [r["grad_norm"] for r in records(tmp_path / "clip") if r["kind"] == "train"]
+    assert len(logged) == len(seen) == 6 and min(logged) > 0.1  # every step is clipped
+    assert seen == pytest.approx([0.02] * 6, rel=1e-4)
+    seen.clear()
+    run(["--grad_clip=0", "--max_iters=6", "--dropout=0"], data_dir, tmp_path / "off")
+    logged = [r["grad_norm"] for r in records(tmp_path / "off") if r["kind"] == "train"]
+    assert seen == pytest.approx(logged, rel=1e-4) and min(logged) > 0.1
+
+
+def test_best_checkpoint_survives_resume(data_dir, tmp_path, monkeypatch):
+    """best.pt holds the best val loss so far across a kill and --resume: the resumed run starts from the
+    best val the checkpoint recorded (not from +inf, nor from the last eval's val), so a later eval that is
+    worse than the best never replaces best.pt; a better one still does. Val losses are scripted."""
+    vals = iter([30.0, 10.0, 20.0,  # first run: steps 0, 5, 10 (best at 5), killed at 13
+                 15.0, 12.0,        # resumed: steps 15, 20, both worse than the best
+                 5.0])              # continued to 25: better
+    monkeypatch.setattr(common, "estimate_loss",
+                        lambda model, data, meta, cfg, device, split="val", sparse=False:
+                        {"loss": 9.0} if split == "train" else {"loss": next(vals)})
+    monkeypatch.setattr(train, "summary", lambda *a: None)
+    real_lr_at = common.lr_at
+
+    def killed_at_13(it, cfg):
+        if it == 13:
+            raise KeyboardInterrupt
+        return real_lr_at(it, cfg)
+    monkeypatch.setattr(common, "lr_at", killed_at_13)
+    with pytest.raises(KeyboardInterrupt):
+        run([], data_dir, tmp_path)
+    monkeypatch.setattr(common, "lr_at", real_lr_at)
+    best = lambda: common.load_checkpoint(str(tmp_path / "best.pt"))
+    assert (best()["iter"], best()["val_loss"]) == (5, 10.0)
+    assert run(["--resume"], data_dir, tmp_path) == 10.0
+    assert (best()["iter"], best()["val_loss"]) == (5, 10.0)
+    assert common.load_checkpoint(str(tmp_path / "ckpt.pt"))["best_val_loss"] == 10.0
+    assert run(["--resume", "--max_iters=25"], data_dir, tmp_path) == 5.0
+    assert (best()["iter"], best()["val_loss"]) == (25, 5.0)
+
+
+@pytest.mark.parametrize("model", ["gpt", "tsa"])
+def test_train_steps_at_the_models_lr_schedule(model, data_dir, tmp_path, monkeypatch):
+    """Every step trains at the schedule's lr for that very step (TSA: its own lr_at, the hard phase's
+    restart included), in every param group, not only in the logged number."""
+    monkeypatch.setattr(train, "summary", lambda *a: None)
+    extra = ["--hard_ft_iters=4", "--hard_ft_lr=1e-3"] if model == "tsa" else []
+    run([f"--model={model}", "--max_iters=12", "--eval_interval=6", "--learning_rate=2e-3", *extra], data_dir, tmp_path)
+    saved = json.load(open(tmp_path / "config.json"))
+    module = __import__(train.MODELS[model])
+    cfg = module.Config(**saved)
+    net = module.Model(cfg)
+    sched = net.lr_at if hasattr(net, "lr_at") else (lambda it: common.lr_at(it, cfg))
+    lrs = {r["step"]: r["lr"] for r in records(tmp_path) if r["kind"] == "train"}
+    assert sorted(lrs) == list(range(12))
+    assert [lrs[it] for it in range(12)] == pytest.approx([sched(it) for it in range(12)], rel=1e-9)
+    assert lrs[0] == pytest.approx(2e-3 / 4) and lrs[4] == pytest.approx(2e-3)  # warm-up 4 (run's default)
+    if model == "tsa":
+        assert lrs[8] == pytest.approx(1e-3)  # the hard phase's restart at hard_ft_lr
+    groups = common.load_checkpoint(str(tmp_path / "ckpt.pt"))["optimizer"]["param_groups"]
+    assert len(groups) == 2 and [g["lr"] for g in groups] == pytest.approx([sched(11)] * 2, rel=1e-9)
 
 
 @pytest.mark.parametrize("argv,message", [
