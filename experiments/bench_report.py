@@ -8,6 +8,8 @@ speed-up and the share of its gain measured, the crossover rows, and the decode 
 import json
 import sys
 
+from compare import md_table
+
 
 def gain(measured, ideal):
     return f"{(measured - 1) / (ideal - 1):.2f}" if ideal > 1.001 else "–"
@@ -19,9 +21,7 @@ def main(paths):
     devs = sorted({f"{r['device']} {r['dtype']}" for r in rows})
     print(f"torch {runs[0]['torch']}, {runs[0]['threads']} thread(s), {', '.join(devs)}; commands: "
           + "; ".join(" ".join(["python", *run["argv"]]) for run in runs) + "\n")
-
-    print("| suite | what | B × T | setting | sparse vs dense | FLOPs-ideal | share of the ideal gain |")
-    print("|---|---|---|---|---|---|---|")
+    speed = []
     for r in rows:
         if r["what"] in ("infer_batch_scaling", "infer_alpha_sweep") and r["mode"].startswith("sparse"):
             s, i, setting = r["speedup_vs_dense"], r["ideal_speedup"], f"{r['mode']}, α={r['alpha']:.2f}"
@@ -33,23 +33,17 @@ def main(paths):
             s, i, setting = r["speedup"], r["flops_ideal"], f"softmax {r['softmax_frac']} (vs dense-hard)"
         else:
             continue
-        print(f"| {r['suite']} | {r['what']} | {r['B']} × {r['T']} | {setting} | {s:.3f} | {i:.3f} | {gain(s, i)} |")
-
-    print("\n| suite | sweep | B×T measured | speed-ups | sparse faster from B·T |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        if r["what"] == "crossover":
-            setting = ", ".join(f"{k}={r[k]}" for k in ("mode", "rho", "rho_set", "softmax_frac") if k in r)
-            print(f"| {r['suite']} | {setting} | {r['B_T']} | {r['speedups']} | {r['sparse_faster_from_BT']} |")
-
-    print("\n| suite | B | setting | routed tok/s | dense GPT tok/s | ratio | FLOPs-ideal |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r["what"] == "decode":
-            setting = ", ".join(f"{k}={r[k]:.2f}" if isinstance(r[k], float) else f"{k}={r[k]}"
-                                for k in ("alpha", "rho", "rho_set", "pattern") if k in r)
-            print(f"| {r['suite']} | {r['B']} | {setting or '–'} | {r['tokens_per_s']:.1f} | "
-                  f"{r['dense_tokens_per_s']:.1f} | {r['speed_ratio']:.3f} | {r['flops_ideal']:.3f} |")
+        speed.append([r["suite"], r["what"], f"{r['B']} × {r['T']}", setting, f"{s:.3f}", f"{i:.3f}", gain(s, i)])
+    print(md_table(speed, ["suite", "what", "B × T", "setting", "sparse vs dense", "FLOPs-ideal",
+                           "share of the ideal gain"]))
+    print(md_table([[r["suite"], ", ".join(f"{k}={r[k]}" for k in ("mode", "rho", "rho_set", "softmax_frac") if k in r),
+                     r["B_T"], r["speedups"], r["sparse_faster_from_BT"]] for r in rows if r["what"] == "crossover"],
+                   ["suite", "sweep", "B×T measured", "speed-ups", "sparse faster from B·T"]))
+    setting = lambda r: ", ".join(f"{k}={r[k]:.2f}" if isinstance(r[k], float) else f"{k}={r[k]}"  # noqa: E731
+                                  for k in ("alpha", "rho", "rho_set", "pattern") if k in r) or "–"
+    print(md_table([[r["suite"], r["B"], setting(r), f"{r['tokens_per_s']:.1f}", f"{r['dense_tokens_per_s']:.1f}",
+                     f"{r['speed_ratio']:.3f}", f"{r['flops_ideal']:.3f}"] for r in rows if r["what"] == "decode"],
+                   ["suite", "B", "setting", "routed tok/s", "dense GPT tok/s", "ratio", "FLOPs-ideal"]))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,15 @@
 """
-One table for all four routers, against dense GPTs of matched inference cost (results/compare.md).
+All four routers against dense GPTs of matched inference cost: the tables of results/compare.md.
 
-  python experiments/compare.py --jobs 2                          # CPU budget: train what is missing, measure
-  python experiments/compare.py --budget gpu --jobs 6 --device cuda  # GPU budget, one GPU, ~7 minutes on an H100
-  python experiments/compare.py --table-only                      # rebuild the CPU table from its JSON records
+  OMP_NUM_THREADS=1 python experiments/compare.py --jobs 2    # CPU budget: train what is missing, measure
+  python experiments/compare.py --budget gpu --jobs 6 --device cuda   # GPU budget: ~7 minutes on one H100
+  python experiments/compare.py --table-only                          # rebuild the CPU table from its records
 
-Every run trains with train.py on shakespeare at one preset and budget (BUDGETS below), 2 seeds, `--jobs`
-training processes at a time; a run that starts from another run's checkpoint (init_from) waits for it.
-Finished runs are not redone (out/compare<_budget>/<run>/ckpt.pt at max_iters); an interrupted one resumes
-with --resume. When every training has finished, each run is measured (one at a time, nothing else of ours
-running) into results/compare<_budget>/<run>-s<seed>.json; the tables are built only from those files.
-Inference FLOPs ratios use common.py's accounting with the hard routing decisions taken on the val set;
-wall-clock ratios time the model's sparse path against the dense reference GPT in the same process.
-
-A run that starts from a checkpoint has had more training than the dense line; its verdict is taken twice:
-against the dense line (the extra steps named), and against its control, the same checkpoint trained on
-as a dense GPT for the same steps with the same flags (equal training), seed by seed.
+Each run trains with train.py at its budget's preset, 2 seeds, --jobs at a time (a run that starts from another's
+checkpoint waits for it; a finished run is not redone, an interrupted one resumes), then is measured, one at a time,
+into results/compare<_budget>/<run>-s<seed>.json; the tables come from those files only. FLOPs: common.py's
+accounting, hard decisions taken on val; speed: the run's sparse path against the dense reference in one process.
+A run that starts from a checkpoint is also judged against its control: that checkpoint trained on, dense.
 """
 import argparse
 import dataclasses
@@ -24,6 +18,7 @@ import importlib
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -85,11 +80,8 @@ def train(name, seed, out, base, quick=False, device="auto"):
         import common
         if common.load_checkpoint(ckpt)["iter"] >= flags["max_iters"]:
             return d
-    argv = [sys.executable, os.path.join(ROOT, "train.py"), f"--model={model}"]
-    argv += [f"--{k}={v}" for k, v in flags.items()] + (["--resume"] if os.path.exists(ckpt) else [])
-    print(" ".join(argv[1:]), flush=True)
-    with open(os.path.join(out, f"{name}-s{seed}.log"), "a") as log:
-        subprocess.run(argv, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    argv = [f"--model={model}", *(f"--{k}={v}" for k, v in flags.items())]
+    train_py(argv + (["--resume"] if os.path.exists(ckpt) else []), os.path.join(out, f"{name}-s{seed}.log"))
     return d
 
 
@@ -211,18 +203,15 @@ def md_table(rows, cols):
 
 def group(records):
     """run name -> list of records (one per seed), in RUNS order where known (dense line first)."""
-    out = {}
+    out, order = {}, list(RUNS)
     for r in records:
         out.setdefault(r["run"], []).append(r)
-    order = list(RUNS)
     return dict(sorted(out.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
 
 
 def mean_sd(xs):
     xs = [x for x in xs if x is not None]
-    if not xs:
-        return None, None
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    return (statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0) if xs else (None, None)
 
 
 def on_line(name, rs):
@@ -308,30 +297,6 @@ def table(records):
     return md_table(rows, COLS)
 
 
-def plot(records, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: table only")
-        return None
-    groups = group(records)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    line = dense_line(groups)
-    ax.plot([f for f, _ in line], [l for _, l in line], "k-o", label="dense GPTs (matched cost)")
-    for name, rs in groups.items():
-        if not on_line(name, rs):
-            ax.scatter([r["flops_ratio"] for r in rs], [r["val_loss"] for r in rs], label=name)
-    ax.set_xlabel("inference FLOPs / dense 6-layer GPT")
-    ax.set_ylabel("val loss (shakespeare, chars)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
-
-
 def write_section(md, key, text, title="# All four routers vs dense GPTs of matched cost\n"):
     """Replace the section between <!-- key --> and <!-- /key --> of the page md (append it if absent), so
     that each budget's command rewrites its own table and leaves the rest of the page as it is."""
@@ -348,54 +313,89 @@ def write_section(md, key, text, title="# All four routers vs dense GPTs of matc
     os.replace(md + ".tmp", md)
 
 
-def section(budget, records, rec_dir, png):
+def section(budget, records, rec_dir):
     base = BUDGETS[budget]
     tokens = base["max_iters"] * base["batch_size"] * base["block_size"]
     done = {(r["run"], r["seed"]) for r in records}
     missing = [f"{n} seed {sd}" for sd in SEEDS for n in RUNS if (n, sd) not in done]
     flag = "" if budget == "cpu" else f" --budget {budget}"
-    text = (f"## `--budget {budget}`: {base['max_iters']} × {base['batch_size']} × {base['block_size']} tokens "
+    return (f"## `--budget {budget}`: {base['max_iters']} × {base['batch_size']} × {base['block_size']} tokens "
             f"({tokens / 1e6:.1f}M) per run\n\n"
             f"From {len(records)} JSON records in results/{os.path.basename(rec_dir)}/; preset {json.dumps(base)}; "
             f"seeds {sorted({r['seed'] for r in records})}; mean ± sd over seeds (± 0.000: one seed). "
             f"Not run: {', '.join(missing) or 'none'}.\n\n"
             f"`python experiments/compare.py{flag} --table-only`\n\n" + table(records))
-    if png:
-        text += f"\n`python experiments/compare.py{flag} --table-only` (with matplotlib installed)\n\n" \
-                f"![val loss vs inference FLOPs]({os.path.basename(png)})\n"
-    return text
+
+
+# ----------------------------------------------------------------------------------------------------
+# shared by the other experiment scripts (tsa, dtrnet, conddepth, hybrid)
+
+def train_py(argv, log):
+    """python train.py ARGV, its output appended to the file log."""
+    print("python train.py " + shlex.join(argv), flush=True)
+    with open(log, "a") as f:
+        subprocess.run([sys.executable, "train.py", *argv], check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+
+
+def train_run(out_dir, flags, after=None, dry=False):
+    """python train.py FLAGS --out_dir=OUT_DIR (output to OUT_DIR.log), then after(out_dir), then a `done` file.
+    A run whose `done` exists is skipped, so rerunning a study continues where it stopped. dry: print only."""
+    path = os.path.join(ROOT, out_dir)
+    if os.path.exists(os.path.join(path, "done")):
+        print(f"skip {out_dir}")
+    elif dry:
+        print("python train.py " + shlex.join([*flags, f"--out_dir={out_dir}"]))
+    else:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        train_py([*flags, f"--out_dir={out_dir}"], path + ".log")
+        if after:
+            after(path)
+        open(os.path.join(path, "done"), "w").close()
+    return path
+
+
+def study_cli(doc, commands, out):
+    """The command line of a study script: CMD (a key of commands) [--out DIR] [--dry-run]."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cmd", choices=list(commands))
+    p.add_argument("--out", default=out, help="the runs' folder")
+    p.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
+    a = p.parse_args()
+    commands[a.cmd](a)
+
+
+def evals(run):
+    """The eval lines of a train.py run's metrics.jsonl (the last one: the final model)."""
+    return [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if r["kind"] == "eval"]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--budget", default="cpu", choices=list(BUDGETS), help="cpu: 4.9M tokens per run; gpu: 12.3M")
-    p.add_argument("--jobs", type=int, default=1, help="training processes at a time (CPU: one per core, with "
+    p.add_argument("--budget", default="cpu", choices=BUDGETS, help="tokens per run: cpu 4.9M, gpu 12.3M, 600it 1.2M")
+    p.add_argument("--jobs", type=int, default=1, help="training processes at a time (CPU: one per core, "
                    "OMP_NUM_THREADS=1; one H100 ran 6)")
     p.add_argument("--device", default="auto", help="passed to train.py and used for the measurements")
-    p.add_argument("--out", default=None, help="run dirs (default out/compare<_budget>)")
+    p.add_argument("--out", help="run dirs (default out/compare<_budget>)")
     p.add_argument("--results", default=os.path.join(ROOT, "results"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--table-only", action="store_true")
-    p.add_argument("--runs", default="", help="comma-separated subset of run names")
+    p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of run names")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="e.g. 1 or 1,2")
-    p.add_argument("--quick", action="store_true", help="a few iterations per run, records and table under "
-                   "--out: checks the pipeline only")
+    p.add_argument("--quick", action="store_true", help="a few iterations per run; records and table under --out")
     args = p.parse_args(argv)
     suffix = "" if args.budget == "cpu" else f"_{args.budget}"
     out = args.out or os.path.join(ROOT, "out", "compare" + suffix + ("_quick" if args.quick else ""))
     results = os.path.join(out, "results") if args.quick else args.results
     rec_dir = os.path.join(results, "compare" + suffix)
-    os.makedirs(rec_dir, exist_ok=True)
-    os.makedirs(out, exist_ok=True)
-    names = args.runs.split(",") if args.runs else list(RUNS)
+    record = lambda n, s: os.path.join(rec_dir, f"{n}-s{s}.json")  # noqa: E731
     if not args.table_only:
         import bench
         import common
         device = common.pick_device(args.device)
         if args.quick:
             bench.MIN_SECONDS, args.repeats = 0.0, 1
-        seeds = [int(s) for s in args.seeds.split(",")]
-        todo = [(n, s) for s in seeds for n in names if not os.path.exists(os.path.join(rec_dir, f"{n}-s{s}.json"))]
+        todo = [(n, int(s)) for s in args.seeds.split(",") for n in args.runs.split(",")
+                if not os.path.exists(record(n, s))]
         tasks = {(REF, s) for _, s in todo}  # every measurement needs the reference; every run its parent
         for n, s in todo:
             while n:
@@ -403,21 +403,22 @@ def main(argv=None):
                 n = parent(n)
         tasks = sorted(tasks, key=lambda t: (t[1], list(RUNS).index(t[0])))
         deps = {(n, s): [(parent(n), s)] for n, s in tasks if parent(n)}
+        os.makedirs(out, exist_ok=True)
+        os.makedirs(rec_dir, exist_ok=True)
         schedule(tasks, deps, lambda t: train(*t, out, BUDGETS[args.budget], args.quick, str(device)), args.jobs)
         for name, seed in todo:  # measured one at a time, after every training has ended
             rec = measure(name, run_dir(out, name, seed), run_dir(out, REF, seed), args.repeats, device)
             rec["command"] = f"python experiments/compare.py --budget {args.budget} (run {name}, seed {seed})"
-            path = os.path.join(rec_dir, f"{name}-s{seed}.json")
-            with open(path + ".tmp", "w") as f:
+            with open(record(name, seed) + ".tmp", "w") as f:
                 json.dump(rec, f, indent=1)
-            os.replace(path + ".tmp", path)
+            os.replace(record(name, seed) + ".tmp", record(name, seed))
             print(f"{name} seed {seed}: val {rec['val_loss']:.4f}, FLOPs ratio {rec['flops_ratio']:.3f}", flush=True)
     records = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(rec_dir, "*.json")))]
-    md = os.path.join(results, "compare.md")
-    png = os.path.join(results, f"compare{suffix}.png")
-    png = (plot(records, png) if records else None) or (png if os.path.exists(png) else None)
-    write_section(md, args.budget, section(args.budget, records, rec_dir, png))
-    print(open(md).read())
+    if not records:  # e.g. the GPU section, copied from the H100's files until its records exist
+        return print(f"no records in {rec_dir}: results/compare.md left as it is")
+    text = section(args.budget, records, rec_dir)
+    write_section(os.path.join(results, "compare.md"), args.budget, text)
+    print(text)
 
 
 if __name__ == "__main__":

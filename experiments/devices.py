@@ -1,13 +1,10 @@
 """
-The model × device × dtype table of results/devices.md (issue 16): for every (device, dtype) given, each
-model's contract tests (the `dev`-parametrised tests of tests/test_<model>.py: sparse == eval, causality,
-cached decode == full forward, a finite training step), its training step in ms/iter, and its sparse vs
-dense-hard forward ratio, on a trained classroom checkpoint when one is in out/<model>-classroom.
+The model × device × dtype table of results/devices.md: for every (device, dtype) given, each model's contract
+tests (the `dev`-parametrised tests of tests/test_<model>.py), its training step in ms/iter at the classroom preset,
+and its sparse vs dense-hard forward ratio, on a trained classroom checkpoint when one is in out/<model>-classroom.
 
   python experiments/devices.py                           # cpu fp32 and cpu bf16
-  python experiments/devices.py --device cuda --dtypes bf16 fp32
-
-Prints one markdown row per model × dtype, and writes them to --json.
+  python experiments/devices.py --device cuda --dtypes bf16 fp32 --json out/devices_cuda.json
 """
 import argparse
 import json
@@ -20,7 +17,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # the model files, not this folder's scripts of the same names
 import common  # noqa: E402
 import train  # noqa: E402
 
@@ -38,6 +35,7 @@ def contract(model, dev_id):
 
 
 def timed(fn, device, repeats):
+    """Median seconds of fn over `repeats` calls after 2 warm-up calls."""
     for _ in range(2):
         fn()
     ts = []
@@ -102,9 +100,8 @@ def main():
         for name in args.models:
             ok, bad, skip = contract(name, f"{device.type}-{dtype}")
             ms, ratio, routing = speed(name, device, dtype, args.repeats)
-            row = dict(model=name, device=machine, dtype=dtype, passed=ok, failed=bad, skipped=skip,
-                       train_ms=ms, sparse_over_dense=ratio, routing=routing, torch=torch.__version__)
-            rows.append(row)
+            rows.append(dict(model=name, device=machine, dtype=dtype, passed=ok, failed=bad, skipped=skip, train_ms=ms,
+                             sparse_over_dense=ratio, routing=routing, torch=torch.__version__))
             print(f"| {name} | {machine} | {dtype} | {ok} / {bad} / {skip} | {ms:.1f} | "
                   f"{'–' if ratio != ratio else f'{ratio:.2f}×'} | {routing} |", flush=True)
     if args.json:

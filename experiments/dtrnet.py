@@ -1,0 +1,64 @@
+"""
+The DTRNet reproduction of results/dtrnet.md: dense GPT vs DTRNet bilayer vs trilayer vs skip on Tiny Shakespeare
+(chars), the same budget (600 iterations × 12 × 256 tokens), seeds 1 and 2, at 7 layers × 96 wide, ctx 256.
+
+  python experiments/dtrnet.py train              # the 8 runs (a finished one, with a `done` file, is skipped)
+  python experiments/dtrnet.py table              # final val loss, routed fractions, FLOPs ratio; sparse-path check
+"""
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dtrnet.py, not this script
+from compare import ROOT, evals, load, md_table, study_cli, train_run  # noqa: E402
+
+FLAGS = ("--dataset=shakespeare --n_layer=7 --n_head=4 --n_embd=96 --block_size=256 --batch_size=12 --max_iters=600 "
+         "--warmup_iters=50 --learning_rate=2e-3 --min_lr=1e-4 --eval_interval=600 --eval_iters=20 "
+         "--log_interval=50").split()
+RUNS = {"bilayer": ["--model=dtrnet", "--layers=bilayer"],       # T D T D T D T, λ = 8e-4
+        "dense": ["--model=gpt"],
+        "skip": ["--model=dtrnet", "--layers=bilayer", "--variant=skip"],  # paper A3: D layers never attend
+        "trilayer": ["--model=dtrnet", "--layers=trilayer"]}     # T D D T D D T
+
+
+def train(a):
+    for seed in (1, 2):
+        for name, flags in RUNS.items():
+            train_run(os.path.join(a.out, f"{name}_s{seed}"), [*FLAGS, *flags, f"--seed={seed}"], dry=a.dry_run)
+
+
+def sparse_val(run):
+    """The val loss of the trained model's real sparse path (model(idx, sparse=True)) on the eval batches."""
+    import common
+    import torch
+    model, cfg, _ = load(run)
+    val, meta = common.load_split(cfg.dataset, "val", cfg.data_dir), common.load_meta(cfg.dataset, cfg.data_dir)
+    return common.estimate_loss(model, val, meta, cfg, torch.device("cpu"), "val", sparse=True)["loss"]
+
+
+def table(a):
+    root = os.path.join(ROOT, a.out)
+    rows, by = [], {}
+    for d in sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "done"))):
+        name, seed = d.rsplit("_s", 1)
+        ev, model = evals(os.path.join(root, d))[-1], json.load(open(os.path.join(root, d, "config.json")))["model"]
+        layers = " ".join(f"L{k[10:]}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith("val_frac_l"))
+        frac, flops = ev.get("val_frac_attn", 1.0), ev.get("val_flops_ratio", 1.0)
+        rows.append([name, seed, f"{ev['val_loss']:.4f}", f"{ev['val_acc']:.4f}", f"{frac:.3f}", layers or "-",
+                     f"{flops:.3f}", f"{sparse_val(os.path.join(root, d)):.4f}" if model == "dtrnet" else "-"])
+        by.setdefault(name, []).append((ev["val_loss"], frac, flops))
+    print(md_table(rows, ["run", "seed", "val loss", "val acc", "routed frac (mean D)", "per-D-layer routed frac",
+                          "FLOPs ratio @256", "sparse-path val loss"]))
+    dense = statistics.mean(v[0] for v in by.get("dense", [(float("nan"),)]))
+    rows = []
+    for name, vals in by.items():
+        loss = statistics.mean(v[0] for v in vals)
+        spread = f" ± {statistics.stdev(v[0] for v in vals):.4f}" if len(vals) > 1 else ""
+        rows.append([name, len(vals), f"{loss:.4f}{spread}", f"{100 * (loss / dense - 1):+.2f}%",
+                     f"{statistics.mean(v[1] for v in vals):.3f}", f"{statistics.mean(v[2] for v in vals):.3f}"])
+    print(md_table(rows, ["run", "seeds", "mean val loss", "Δ vs dense", "mean routed frac", "mean FLOPs ratio @256"]))
+
+
+if __name__ == "__main__":
+    study_cli(__doc__, {"train": train, "table": table}, "out/dtrnet_exp96")

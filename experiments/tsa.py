@@ -1,0 +1,414 @@
+"""
+The TSA reproductions of results/tsa.md. Training commands run train.py per run (a run with a `done` file is
+skipped; --dry-run prints the commands); table commands read the runs' records.
+
+  python experiments/tsa.py study | budget --seed S   # 4×128 λ sweep, early exit, copy/sort | the paper's token budget
+  python experiments/tsa.py table results/tsa_small.jsonl     # their tables, from the `eval` records
+  python experiments/tsa.py eval RUN... --out F.jsonl         # one record per run: soft/hard losses, α, sparse check
+  python experiments/tsa.py proxy --seed S | proxy-table      # --preset paper at a proxy with its tokens per parameter
+  python experiments/tsa.py curve --shares 0.1,0.2 | curve-table   # the proxy's calibrated phase per exec_share
+  python experiments/tsa.py dense --dropouts 0.1,0.2 --lrs 3e-4,1e-3  # the dense GPT at the proxy's size and budget
+"""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tsa.py, not this script
+import compare  # noqa: E402
+from compare import ROOT, evals, md_table, train_run  # noqa: E402
+
+SOFT = "--hard_ft_iters=0"  # the soft-only recipe (the paper's): these studies predate the default ST phase
+SMALL = ("--dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --block_size=128 --batch_size=16 "
+         "--warmup_iters=100 --learning_rate=2e-3 --min_lr=1e-4 --eval_iters=10 --log_interval=100").split()
+TASK = ("--n_layer=6 --n_head=4 --n_embd=128 --batch_size=32 --max_iters=600 --warmup_iters=50 "
+        "--learning_rate=1e-3 --eval_interval=600 --eval_iters=10 --log_interval=100").split()
+PAPER_BUDGET = ("--dataset=shakespeare --n_layer=6 --n_head=4 --n_embd=64 --block_size=128 --batch_size=64 "
+                "--max_iters=5000 --warmup_iters=100 --learning_rate=1e-3 --min_lr=1e-4 --beta2=0.95 "
+                "--weight_decay=0.1 --eval_interval=1000 --eval_iters=20 --log_interval=250").split()
+# the paper preset at a proxy keeping its 8.53 tokens per parameter: 4 × 128, 833 × 64 × 128 tokens; the last
+# 125 iterations (15%, as 750 of 5000) branch from the step-708 checkpoint
+N, AT = 833, 708
+SNAP = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")  # what a branch resumes from
+PROXY = (f"--model=tsa --dataset=shakespeare --preset=paper --n_layer=4 --n_head=4 --n_embd=128 --max_iters={N} "
+         "--eval_interval=236 --eval_iters=20 --log_interval=100").split()
+DENSE = (f"--model=gpt --dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --max_iters={N} --batch_size=64 "
+         "--block_size=128 --warmup_iters=0 --beta2=0.95 --weight_decay=0.1 --eval_interval=236 --eval_iters=20 "
+         "--log_interval=100").split()  # the proxy's size, budget, optimiser and evals, as a dense GPT
+
+
+def run(out, name, flags, a):
+    """One run of a study; its final evaluation (30 fixed val batches) is appended to OUT/eval.jsonl."""
+    train_run(os.path.join(out, name), flags, lambda d: record(d, os.path.join(ROOT, out, "eval.jsonl"), 30), a.dry_run)
+
+
+def study(a):
+    """results/tsa.md, "A small-scale study": dense vs TSA at 4×128, 600 iterations (seeds 1, 2), the λ sweep,
+    the early-exit baseline, a 150-iteration straight-through phase from λ=0.05, copy vs sort, a longer pair."""
+    M = SMALL + ["--max_iters=600", "--eval_interval=600"]
+    for s in (1, 2):
+        run(a.out, f"dense_s{s}", ["--model=gpt", *M, f"--seed={s}"], a)
+        for lam in (0.001, 0.05, 0, 0.1, 0.01):
+            run(a.out, f"lam{lam}_s{s}", ["--model=tsa", *M, SOFT, f"--seed={s}", f"--lam={lam}"], a)
+        run(a.out, f"early_exit_s{s}", ["--model=tsa", *M, SOFT, f"--seed={s}", "--variant=early_exit"], a)
+        run(a.out, f"hardft_lam0.05_s{s}", [
+            "--model=tsa", "--dataset=shakespeare", f"--init_from={a.out}/lam0.05_s{s}/ckpt.pt", "--lam=0.05",
+            "--batch_size=16", "--max_iters=150", "--hard_ft_iters=150", "--warmup_iters=10", "--learning_rate=5e-4",
+            "--min_lr=5e-5", "--eval_interval=150", "--eval_iters=10", "--log_interval=50", f"--seed={s}"], a)
+        for task in ("copy", "sort"):  # §3.1: [BOS] src [SEP] tgt [EOS]
+            tail = "" if s == 1 else f"_s{s}"
+            run(a.out, f"{task}_tsa{tail}", ["--model=tsa", f"--dataset={task}", *TASK, SOFT, f"--seed={s}",
+                                             "--lam=0.001"], a)
+            run(a.out, f"{task}_dense{tail}", ["--model=gpt", f"--dataset={task}", *TASK, f"--seed={s}"], a)
+    longer = SMALL + ["--max_iters=1500", "--eval_interval=500", "--seed=1"]  # 2.5× the tokens
+    run(a.out, "long_dense_s1", ["--model=gpt", *longer], a)
+    run(a.out, "long_lam0.001_s1", ["--model=tsa", *longer, SOFT, "--lam=0.001"], a)
+
+
+def budget(a):
+    """results/tsa.md, "At the paper's token budget": P = the paper's 41M tokens and optimiser at 6 × 64, D = the
+    default preset (6 × 192, 4.6M tokens); then a straight-through phase from each TSA run at depth weight λ, and
+    the dense run continued alike (`densecont`, the control for the extra training). One seed per call."""
+    s, D = a.seed, ["--dataset=shakespeare"]
+
+    def ft(name, start, iters, model, *flags):
+        run(a.out, f"{name}_s{s}", [f"--model={model}", "--dataset=shakespeare", f"--seed={s}",
+                                    f"--init_from={a.out}/{start}_s{s}/ckpt.pt", f"--max_iters={iters}",
+                                    "--warmup_iters=20", "--learning_rate=3e-4", "--min_lr=3e-5",
+                                    f"--eval_interval={iters}", "--eval_iters=20", "--log_interval=100", *flags], a)
+    for pre, flags in (("P", PAPER_BUDGET), ("D", D)):
+        run(a.out, f"{pre}_dense_s{s}", ["--model=gpt", *flags, f"--seed={s}"], a)
+        run(a.out, f"{pre}_lam0.001_s{s}", ["--model=tsa", *flags, SOFT, "--lam=0.001", f"--seed={s}"], a)
+    for lam in (0.001, 0.01, 0.05):
+        ft(f"P_hardft_lam{lam}", "P_lam0.001", 500, "tsa", "--batch_size=64", f"--lam={lam}", "--hard_ft_iters=500")
+    ft("P_densecont", "P_dense", 500, "gpt", "--batch_size=64")
+    for lam in (0.001, 0.01):
+        ft(f"D_hardft_lam{lam}", "D_lam0.001", 250, "tsa", f"--lam={lam}", "--hard_ft_iters=250")
+    ft("D_densecont", "D_dense", 250, "gpt")
+    run(a.out, f"D_lam0_s{s}", ["--model=tsa", *D, SOFT, "--lam=0", f"--seed={s}"], a)
+    run(a.out, f"P_lam0.05_s{s}", ["--model=tsa", *PAPER_BUDGET, SOFT, "--lam=0.05", f"--seed={s}"], a)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the final evaluation of a run, and the tables of `study` and `budget`
+
+def record(run, out, eval_iters, eval_seed=None):
+    """gpt: val loss. TSA: soft val, hard val for both gate variants (01 / scaled), soft α (eq. 6 on the soft pass),
+    hard α (fraction executed), per-router active fractions, max |sparse − eval| logits on one batch and the sparse
+    val loss. Early exit: the threshold sweep. On eval_iters fixed batches (of eval_seed, default the run's seed)."""
+    import common
+    import torch
+    import tsa
+    dev, (model, cfg, _) = torch.device("cpu"), compare.load(run)
+    it = evals(run)[-1]["step"]  # the final checkpoint's iteration
+    train_seed = cfg.seed
+    cfg = dataclasses.replace(cfg, eval_iters=eval_iters, seed=cfg.seed if eval_seed is None else eval_seed)
+    meta, val = common.load_meta(cfg.dataset, cfg.data_dir), common.load_split(cfg.dataset, "val", cfg.data_dir)
+    rec = {"run": run, "model": cfg.model, "iter": it, "seed": train_seed, "eval_seed": cfg.seed,
+           "dataset": cfg.dataset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+           "tokens": it * cfg.batch_size * cfg.block_size}
+    if cfg.model == "gpt":
+        ev = common.estimate_loss(model, val, meta, cfg, dev)
+        rec.update(val_loss=ev["loss"], acc=ev["acc"])
+    elif cfg.variant == "early_exit":
+        rec.update(variant="early_exit", sweep=tsa.exit_sweep(model, val, meta, cfg, dev))
+    else:
+        rec.update(variant="tsa", lam=cfg.lam, hard_ft_iters=cfg.hard_ft_iters)
+        batches = [common.get_batch(val, meta, cfg.batch_size, cfg.block_size, common.eval_rng(cfg.seed, "val", k))[0]
+                   for k in range(cfg.eval_iters)]
+        with torch.no_grad():  # per-router soft mean(1 − p_l), the terms of eq. 6
+            active = sum(torch.stack([(1 - p).mean() for p in model.trunk(model.embed(x), "soft")[1]]) for x in batches)
+        for hv in ("01", "scaled"):
+            model.cfg.hard_variant = hv
+            ev = common.estimate_loss(model, val, meta, cfg, dev)
+            rec.update({f"hard_loss_{hv}": ev["loss"], f"acc_{hv}": ev["acc"], "soft_loss": ev["soft_loss"],
+                        "alpha": ev["soft_alpha"], "tlops_saved": common.tlops_saving(ev["soft_alpha"], cfg.n_layer),
+                        "alpha_hard": ev["alpha_hard"], "tlops_saved_hard": ev["tlops_saved_hard"],
+                        "active": (active / cfg.eval_iters).tolist(),
+                        "hard_active": [ev[f"hard_r{l}"] for l in range(cfg.n_layer - 1)]})
+        model.cfg.hard_variant = cfg.hard_variant
+        with torch.no_grad():
+            ref = model(batches[0])[0]
+            for sq in (False, True):
+                model.cfg.skip_queries = sq
+                diff = (model(batches[0], sparse=True)[0] - ref).abs().max().item()
+                rec[f"sparse_maxdiff_{'query' if sq else 'ffn'}"] = diff
+        rec["sparse_loss"] = common.estimate_loss(model, val, meta, cfg, dev, sparse=True)["loss"]
+    print(json.dumps(rec), flush=True)
+    with open(out, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def f4(v, n=4):
+    return f"{v:.{n}f}"
+
+
+def mean_sd(xs, n=4):
+    m, sd = compare.mean_sd(xs)
+    return f"{m:.{n}f} ± {sd:.{n}f}" if len(xs) > 1 else f"{m:.{n}f}"
+
+
+def pct(v, d):
+    return f"{f4(v)} ({100 * (v / d - 1):+.2f}%)"
+
+
+def saved(r, k):
+    return f"{f4(r['alpha' + k], 3)} ({100 * r['tlops_saved' + k]:.1f}%)"
+
+
+def interp(sweep, alpha):
+    """Early-exit val loss at a given α, linear between the two nearest sweep points."""
+    pts = sorted((r["alpha"], r["val_loss"]) for r in sweep)
+    for (a0, l0), (a1, l1) in zip(pts, pts[1:]):
+        if a0 <= alpha <= a1:
+            return l0 if a1 == a0 else l0 + (l1 - l0) * (alpha - a0) / (a1 - a0)
+    return float("nan")
+
+
+GROUPS = {"P_": "paper token budget (6×64, 5000 × 64 × 128 = 41M tokens)",
+          "D_": "default preset (6×192, 2250 × 16 × 128 = 4.6M tokens)",
+          "": "Shakespeare char, 4×128, 600 × 16 × 128 = 1.2M tokens",
+          "long_": "Shakespeare char, 4×128, 1500 × 16 × 128 = 3.1M tokens"}
+
+
+def vs_dense(recs, pre, title):
+    """Dense vs TSA of one setting (runs <pre>dense_sS, <pre>lamX_sS) and, with 2 seeds, the mean ± sd per λ."""
+    dense = {r["seed"]: r["val_loss"] for k, r in recs.items() if k.startswith(pre + "dense_")}
+    tsa = sorted((k, r) for k, r in recs.items() if k.startswith(pre + "lam"))
+    d = lambda r: dense.get(r["seed"], float("nan"))  # noqa: E731
+    rows = [[f"{k} (λ={r['lam']})", r["seed"], f4(d(r)), *[pct(r[c], d(r)) for c in ("soft_loss", "hard_loss_scaled",
+             "hard_loss_01")], saved(r, ""), saved(r, "_hard")] for k, r in tsa]
+    for lam in sorted({r["lam"] for _, r in tsa}):
+        runs = [r for _, r in tsa if r["lam"] == lam and r["seed"] in dense]
+        col = lambda key: mean_sd([r[key] for r in runs])  # noqa: E731
+        rel = lambda key: mean_sd([100 * (r[key] / dense[r["seed"]] - 1) for r in runs], 2)  # noqa: E731
+        if len(runs) > 1:
+            pc = lambda key: mean_sd([100 * r[key] for r in runs], 1)  # noqa: E731
+            rows.append([f"mean ± sd, λ={lam} ({len(runs)} seeds)", "", mean_sd([dense[r["seed"]] for r in runs]),
+                         *[f"{col(k)} ({rel(k)} %)" for k in ("soft_loss", "hard_loss_scaled")], col("hard_loss_01"),
+                         f"{col('alpha')} (saved {pc('tlops_saved')} %)",
+                         f"{col('alpha_hard')} (saved {pc('tlops_saved_hard')} %)"])
+    return [f"#### Dense vs TSA, {title}", "", md_table(rows, [
+        "run", "seed", "dense val", "soft val (Δ%)", "hard scaled (Δ%)", "hard 01 (Δ%)", "soft α (TLOps saved)",
+        "hard α (saved)"])] if tsa else []
+
+
+def table(a):
+    """The tables of results/tsa.md's `study` and `budget` sections from `eval` records (JSON lines)."""
+    recs = {os.path.basename(r["run"]): r for r in map(json.loads, open(a.records))}
+    tsa = {k: r for k, r in recs.items() if r.get("variant") == "tsa"}
+    out = [line for pre, title in GROUPS.items() for line in vs_dense(recs, pre, title)]
+    for pre, start in (("P_", "lam0.001"), ("D_", "lam0.001"), ("", "lam0.05")):  # continued straight-through
+        cont = {r["seed"]: r["val_loss"] for k, r in recs.items() if k.startswith(pre + "densecont_")}
+        rows = []
+        for k, r in sorted(((k, r) for k, r in tsa.items() if k.startswith(pre + "hardft_")),
+                           key=lambda kr: (kr[1]["seed"], kr[1]["lam"])):
+            s0, c = recs[f"{pre}{start}_s{r['seed']}"], cont.get(r["seed"], float("nan"))
+            rows.append([k, f"{f4(s0['soft_loss'])}, {f4(s0['alpha'], 3)}", pct(r["hard_loss_scaled"], s0["soft_loss"]),
+                         f4(r["hard_loss_01"]), f4(r["soft_loss"]), saved(r, "_hard"), *([f4(c),
+                         f"{100 * (r['hard_loss_scaled'] / c - 1):+.2f}%"] if c == c else ["–", "–"])])
+        out += [f"#### Straight-through hard-gate phase from {pre}{start}, {GROUPS[pre]}", "", md_table(rows, [
+            "run", "soft model: soft val, soft α", "hard scaled val (vs soft model's soft)", "hard 01 val",
+            "soft val after", "hard α (TLOps saved)", "densecont", "hard scaled vs densecont"])] if rows else []
+    out += ["#### Per-router active fraction (soft mean 1 − p_l / hard fraction executed)", "", md_table(
+        [[k] + [f"{s:.3f} / {h:.3f}" for s, h in zip(r["active"], r["hard_active"])] for k, r in tsa.items()],
+        ["run"] + [f"r{l}" for l in range(max(len(r["active"]) for r in tsa.values()))]),
+        "#### Sparse path check on trained routers", "", md_table(
+        [[k, f"{r['sparse_maxdiff_ffn']:.2e}", f"{r['sparse_maxdiff_query']:.2e}", f4(r["sparse_loss"]),
+          f"{f4(r['hard_loss_scaled'])} (scaled)"] for k, r in tsa.items()],
+        ["run", "max abs logit diff sparse(FFN) vs eval", "sparse(FFN+query) vs eval", "sparse val loss",
+         "eval val loss"])]
+    for k, r in recs.items():
+        if r.get("variant") == "early_exit":
+            out += [f"#### Early exit ({k}): threshold sweep", "", md_table(
+                [[s["threshold"], f4(s["alpha"], 3), f"{100 * s['tlops_saved']:.1f}%", f4(s["val_loss"])]
+                 for s in r["sweep"]],
+                ["threshold", "α", "TLOps saved", "val loss"]),
+                "TSA vs early exit at matched α (early-exit loss interpolated between sweep points; same seed):", "",
+                md_table([[q, f4(t["alpha_hard"], 3), f4(min(t["hard_loss_01"], t["hard_loss_scaled"])),
+                           f4(interp(r["sweep"], t["alpha_hard"])), f4(t["alpha"], 3), f4(t["soft_loss"]),
+                           f4(interp(r["sweep"], t["alpha"]))]
+                          for q, t in tsa.items() if t["seed"] == r["seed"] and t["dataset"] == "shakespeare"],
+                         ["TSA run", "TSA hard α", "TSA hard val (best variant)", "early exit val at that α",
+                          "TSA soft α", "TSA soft val", "early exit val at soft α"])]
+    tasks = [r for r in recs.values() if r["dataset"] in ("copy", "sort")]
+    rows = [[r["dataset"], "dense", f4(r["acc"]), 1, 0, 1] if r["model"] == "gpt" else
+            [r["dataset"], f"TSA λ={r['lam']}", f4(r["acc_scaled"]), f4(r["alpha"], 3),
+             f"{100 * r['tlops_saved']:.1f}%", f4(r["alpha_hard"], 3)] for r in tasks]
+    out += ["#### copy vs sort (§3.1)", "", md_table(rows, [
+        "task", "model", "token acc (hard scaled / dense)", "soft α", "TLOps saved (soft)", "hard α"])] if rows else []
+    print("\n".join(out))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the paper preset at the CPU proxy: one soft run per seed, branches from its step-708 checkpoint
+
+def snapshot(a, s):
+    """The paper's soft recipe to N iterations (soft_sS); its checkpoint at step AT is copied to snap708_sS as soon as
+    it is written (the next one comes 125 iterations later). Reused when both exist."""
+    base, snap = os.path.join(ROOT, a.out, f"soft_s{s}"), os.path.join(ROOT, a.out, f"snap{AT}_s{s}")
+    flags = [*PROXY, f"--seed={s}", SOFT, f"--out_dir={a.out}/soft_s{s}"]
+    if a.dry_run:
+        print("python train.py " + " ".join(flags))
+    if a.dry_run or os.path.exists(os.path.join(base, "done")) and os.path.exists(os.path.join(snap, "ckpt.pt")):
+        return
+    import common
+    os.makedirs(base, exist_ok=True)
+    with open(base + ".log", "a") as log:
+        p = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    ckpt = os.path.join(base, "ckpt.pt")
+    while not (os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] >= AT):  # written atomically
+        if p.poll() not in (None, 0):
+            raise SystemExit(f"soft_s{s} failed: see {base}.log")
+        time.sleep(1)
+    if common.load_checkpoint(ckpt)["iter"] != AT:
+        raise SystemExit(f"soft_s{s} went past step {AT} before its checkpoint was copied")
+    shutil.rmtree(snap, ignore_errors=True)
+    shutil.copytree(base, snap, ignore=lambda d, names: [n for n in names if n not in SNAP])
+    if p.wait():
+        raise SystemExit(f"soft_s{s} failed: see {base}.log")
+    open(os.path.join(base, "done"), "w").close()
+
+
+def branch(a, s, name, flags):
+    """The last N − AT iterations from the snapshot (same weights, optimizer, RNG and batches) with `flags`."""
+    snapshot(a, s)
+    d = os.path.join(ROOT, a.out, name)
+    if not a.dry_run and not os.path.exists(os.path.join(d, "done")):
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(os.path.join(ROOT, a.out, f"snap{AT}_s{s}"), d)
+    train_run(os.path.join(a.out, name), [*PROXY, f"--seed={s}", f"--hard_ft_iters={N - AT}", *flags, "--resume"],
+              dry=a.dry_run)
+
+
+def proxy(a):
+    """results/tsa.md, "Paper preset, CPU proxy": the paper's soft recipe (soft_sS) and, from its step-708 checkpoint,
+    the last 15% straight-through with the routers trained (train), frozen (frozen), or calibrated to the share
+    their soft gate claims and frozen (calibrate, the preset's), and the control: no hard phase, only the preset's
+    lr restart (softlr_sS)."""
+    for b in a.branches.split(","):
+        branch(a, a.seed, f"{'softlr' if b == 'soft' else b}_s{a.seed}", [f"--hard_ft_routers={b}"])
+
+
+MECHANISM = {"soft": "paper: soft training only", "train": "last 15% ST, routers train",
+             "frozen": "last 15% ST, routers frozen", "calibrate": "last 15% ST, routers calibrated, then frozen",
+             "softlr": "control: soft training, the branches' lr schedule"}
+
+
+def references(root):
+    """seed -> final soft val of the paper's soft-only run (soft_sS) and of the control (softlr_sS)."""
+    refs = {"soft": {}, "softlr": {}}
+    for d in os.listdir(root):
+        kind, _, seed = d.rpartition("_s")
+        if kind in refs and os.path.exists(os.path.join(root, d, "done")):
+            refs[kind][seed] = evals(os.path.join(root, d))[-1]["val_soft_loss"]
+    return refs
+
+
+def proxy_table(a):
+    """Per run: best and last val (hard: the preset's "01" gates, what sparse inference runs), the soft pass on the
+    same batches, hard − soft, hard against the paper's soft-only model and against the control of the same seed,
+    and the share of token-layers really skipped."""
+    root, rows = os.path.join(ROOT, a.root), []
+    refs = references(root)
+    for d in sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "done"))):
+        kind, _, seed = d.rpartition("_s")
+        if kind not in MECHANISM:
+            continue
+        ev = evals(os.path.join(root, d))
+        best, last = min(ev, key=lambda r: r["val_loss"]), ev[-1]
+        skips = " / ".join(f"{v:.0%}" for k, v in sorted(last.items()) if k.startswith("val_skip_l"))
+        rel = [f"{last['val_loss'] / r[seed] - 1:+.2%}" if seed in r else "–" for r in refs.values()]
+        rows.append([d, MECHANISM[kind], f"{best['val_loss']:.4f} @ {best['step']}", f4(last["val_loss"]),
+                     f4(last["val_soft_loss"]), f"{last['val_loss'] / last['val_soft_loss'] - 1:+.2%}", *rel,
+                     f"{last['val_skipped']:.1%} ({skips})", last["step"]])
+    print(md_table(rows, ["run", "mechanism", "best val (hard), step", "last val (hard)", "last soft val",
+                          "hard − soft", "hard vs soft-only run's soft", "hard vs the control's soft",
+                          "token-layers skipped (per layer)", "iterations"]))
+
+
+def curve(a):
+    """The proxy's calibrated phase at several executed shares: per seed and share S, the 125-iteration branch with
+    the routers calibrated so that the phase executes a share S of the routed token-layers (tsa.Config.exec_share;
+    0 = calibrate to the soft gates' claim), into share<S>_s<seed>."""
+    for s in map(int, a.seeds.split(",")):
+        for share in a.shares.split(","):
+            branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
+
+
+def curve_table(a):
+    """One row per share (mean ± sd over seeds): hard val, soft val, hard − soft, hard against the paper's soft-only
+    model and against the control (softlr), token-layers skipped, TLOps and forward FLOPs saved (hard)."""
+    root, by = os.path.join(ROOT, a.root), {}
+    refs = references(root)
+    for d in os.listdir(root):
+        kind, _, seed = d.rpartition("_s")
+        if kind.startswith("share") and os.path.exists(os.path.join(root, d, "done")):
+            by.setdefault(float(kind[5:]), []).append((seed, evals(os.path.join(root, d))[-1]))
+    rows, pc = [], lambda xs, n=2: mean_sd([100 * x for x in xs], n) + "%"
+    for share, runs in sorted(by.items()):
+        seeds, v = [s for s, _ in runs], lambda k: [e[k] for _, e in runs]
+        rel = lambda ref: pc([e["val_loss"] / ref[s] - 1 for s, e in runs]) if set(seeds) <= set(ref) else "–"
+        rows.append([share, ",".join(sorted(seeds)), mean_sd(v("val_loss")), mean_sd(v("val_soft_loss")),
+                     pc([e["val_loss"] / e["val_soft_loss"] - 1 for _, e in runs]), rel(refs["soft"]),
+                     rel(refs["softlr"]), *[pc(v(k), 1) for k in ("val_skipped", "val_tlops_saved_hard",
+                                                                  "val_flops_saved_hard")]])
+    print(md_table(rows, ["exec_share", "seeds", "hard val", "soft val", "hard − soft", "vs paper's soft model",
+                          "vs the control (softlr)", "token-layers skipped", "TLOps saved (hard)",
+                          "FLOPs saved (hard)"]))
+
+
+def dense(a):
+    """The dense GPT at the proxy's size and budget (4 × 128, 833 × 64 × 128 tokens, the preset's optimiser; evals as
+    the proxy's) for every dropout × lr (min_lr = lr/10), each seed; prints every setting and the best."""
+    rows = []
+    for do in a.dropouts.split(","):
+        for lr in a.lrs.split(","):
+            runs = [train_run(os.path.join(a.out, f"dense_do{do}_lr{lr}_s{s}"), [
+                *DENSE, f"--dropout={do}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}", f"--seed={s}"],
+                dry=a.dry_run) for s in map(int, a.seeds.split(","))]
+            if not a.dry_run:
+                rows.append([do, lr, mean_sd([evals(d)[-1]["val_loss"] for d in runs])])
+    if rows:
+        best = min(rows, key=lambda r: float(r[2].split()[0]))
+        print(md_table(rows, ["dropout", "lr", "final val (mean ± sd over seeds)"]))
+        print(f"best: dropout {best[0]}, lr {best[1]}")
+
+
+COMMANDS = {"study": study, "budget": budget, "table": table, "eval": None, "proxy": proxy, "proxy-table": proxy_table,
+            "curve": curve, "curve-table": curve_table, "dense": dense}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cmd", choices=list(COMMANDS))
+    p.add_argument("paths", nargs="*", help="table: the records file; eval: run dirs; *-table: the runs' dir")
+    p.add_argument("--out", help="where the runs go (eval: the records file); default out/tsa, out/tsa_budget, "
+                   "out/tsa_proxy")
+    p.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
+    p.add_argument("--seed", type=int, help="budget, proxy: the seed")
+    p.add_argument("--seeds", default="1,2,3", help="curve, dense")
+    p.add_argument("--branches", default="calibrate,soft,train,frozen", help="proxy")
+    p.add_argument("--shares", default="0.1,0.15,0.2,0.25,0.3", help="curve: exec_share values")
+    p.add_argument("--dropouts", default="0.1,0.2", help="dense")
+    p.add_argument("--lrs", default="3e-4,1e-3", help="dense")
+    p.add_argument("--eval_iters", type=int, default=30, help="eval")
+    p.add_argument("--eval_seed", type=int, help="eval: another seed's fixed val batches (default the run's)")
+    a = p.parse_args()
+    a.out = a.out or {"study": "out/tsa", "budget": "out/tsa_budget"}.get(a.cmd, "out/tsa_proxy")
+    a.records = a.root = a.paths[0] if a.paths else "out/tsa_proxy"
+    if a.cmd in ("budget", "proxy") and a.seed is None:
+        p.error(f"{a.cmd} needs --seed")
+    if a.cmd == "eval":
+        for run in a.paths:
+            record(run, a.out, a.eval_iters, a.eval_seed)
+    else:
+        COMMANDS[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
