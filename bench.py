@@ -122,13 +122,14 @@ OPS_BARS = {"sparse": 2.0, "step": 1.2}  # vs the dense GPT's forward / decode s
 
 
 @torch.no_grad()
-def count_paths(model, device, B=8, T=256):
+def count_paths(model, B=8, T=256):
     """Ops dispatched (common.count_ops) by model's forward at (B, T), its sparse forward when it has one, and
     its B=1 decode step after a 100-token prefill (the most over 8 steps: a routed step's count depends on the
-    path the token takes)."""
-    idx = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
+    path the token takes). Counted on the CPU under bf16 autocast (what CUDA trains and infers in): the count of
+    a path does not depend on the device, and every machine gives the same rows."""
+    idx = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     out = {}
-    with common.autocast(device, DTYPE):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         model(idx)  # warm-up: lazily built state is not counted
         out["forward"] = common.count_ops(model, idx)[0]
         if model.__class__ is not common.Model:
@@ -143,17 +144,47 @@ def count_paths(model, device, B=8, T=256):
     return out
 
 
-def ops_rows(suite, model, device):
-    """`what=ops` rows: ops dispatched per call, device-independent (at these sizes a GPU is bound by how many
-    ops the host launches, ~30 µs each, not by FLOPs). model: the suite's routed model at OPS_SIZE with mixed
-    routing forced (None: the dense GPT's own rows). Each row has its ratio to the dense GPT's and the bar."""
+@torch.no_grad()
+def ops_model(suite):
+    """The suite's routed model at OPS_SIZE (the hybrid: 4 layers, G R R S) with mixed routing: about half the
+    tokens take each path in every routed layer, through the model's own routers."""
     torch.manual_seed(0)
-    gpt = count_paths(common.Model(common.Config(**OPS_SIZE)).to(device).eval(), device)
-    if model is None:
+    if suite == "tsa":
+        import tsa
+        m = tsa.Model(tsa.Config(**OPS_SIZE))
+        for r in m.routers:  # a wide logit around 0: p > 0.5 for about half the tokens
+            nn.init.normal_(r.fc2.weight, 0.0, 3.0)
+            nn.init.zeros_(r.fc2.bias)
+    elif suite == "dtrnet":
+        import dtrnet
+        m = dtrnet.Model(dtrnet.Config(**OPS_SIZE))
+        x = m.embed(torch.randint(0, 65, (4, 256), generator=torch.Generator().manual_seed(1)))
+        for blk in m.blocks:  # each router's W2 bias moves the median logit gap on x to 0
+            if isinstance(blk, dtrnet.DTRBlock):
+                z = blk.router.w2(F.silu(blk.router.w1(x)))  # (B, T, 2)
+                gap = (z[..., 0] - z[..., 1]).median()
+                blk.router.w2.bias = nn.Parameter(torch.stack([-gap / 2, gap / 2]))
+            x = blk(x)[0] if isinstance(blk, dtrnet.DTRBlock) else blk(x)
+    elif suite == "conddepth":
+        import conddepth
+        m = conddepth.Model(conddepth.Config(**OPS_SIZE))  # fan-in gate init: u spreads around its threshold
+    else:
+        import hybrid_attn as HA
+        m = HA.Model(HA.Config(**{**OPS_SIZE, "n_layer": 4}, pattern="G R R S"))  # random router: argmax mixed
+    return m.eval()
+
+
+def ops_rows(suite):
+    """`what=ops` rows: ops dispatched per call, device-independent (at these sizes a GPU is bound by how many
+    ops the host launches, ~30 µs each, not by FLOPs). gpt: the dense GPT's own rows; a router: its dense-hard
+    forward, sparse forward and decode step at OPS_SIZE with mixed routing, each next to the dense GPT's count
+    for the same call and the bar it must meet."""
+    torch.manual_seed(0)
+    gpt = count_paths(common.Model(common.Config(**OPS_SIZE)).eval())
+    if suite == "gpt":
         return [{"suite": suite, "what": "ops", "path": f"gpt_{p}", "ops": n} for p, n in gpt.items()]
-    ours = count_paths(model.eval(), device)
     rows = []
-    for path, n in ours.items():
+    for path, n in count_paths(ops_model(suite)).items():
         ref = gpt["step" if path == "step" else "forward"]
         bar = OPS_BARS.get(path, float("nan")) * (1.5 if suite == "hybrid" and path == "sparse" else 1.0)
         rows.append({"suite": suite, "what": "ops", "path": "dense_hard" if path == "forward" else path, "ops": n,
@@ -226,7 +257,6 @@ def bench_gpt(args, device, rows):
                      "plain_ms": 1e3 * t["plain"], "tokens_per_s": B * T / t["ours"],
                      "speed_ratio_ours_vs_plain": t["plain"] / t["ours"]})
     rows += decode_rows("gpt", ours.eval(), device, args, compiled=not args.quick or args.compile)
-    rows += ops_rows("gpt", None, device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -603,6 +633,7 @@ def main(argv=None):
         torch.manual_seed(0)
         rows = Rows(args, device)
         for name in (SUITES if args.suite == "all" else [args.suite]):
+            rows += ops_rows(name)  # first: no timing, and a run stopped in the suite keeps them
             SUITES[name](args, device, rows)
     except common.NanorouteError as e:
         print(f"error: {e}", file=sys.stderr)

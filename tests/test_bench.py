@@ -62,12 +62,13 @@ def test_count_ops_counts_kernels_not_views():
 
 def test_bench_ops_rows_for_the_dense_gpt_match_a_direct_count():
     """bench's `what=ops` gpt rows are count_ops of the forward at B=8, T=256 and of a B=1 decode step at the
-    bars' size; the step's count is the same for every position (a static-shape step)."""
-    rows = {r["path"]: r["ops"] for r in bench.ops_rows("gpt", None, torch.device("cpu"))}
+    bars' size, under bf16 autocast; the step's count is the same for every position (a static-shape step)."""
+    rows = {r["path"]: r["ops"] for r in bench.ops_rows("gpt")}
     torch.manual_seed(0)
     m = common.Model(common.Config(**bench.OPS_SIZE)).eval()
     idx = torch.randint(0, 65, (8, 256), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        m(idx)  # warm-up: autocast's weight casts are made once
         assert rows["gpt_forward"] == common.count_ops(m, idx)[0]
         _, state = m.prefill(idx[:1, :20])
         counts = []
@@ -75,6 +76,18 @@ def test_bench_ops_rows_for_the_dense_gpt_match_a_direct_count():
             state = (state[0], torch.tensor(t))
             counts.append(common.count_ops(m.step, idx[:1, :1], state)[0])
     assert counts == [rows["gpt_step"]] * 3
+
+
+@pytest.mark.parametrize("suite", ["tsa", "dtrnet", "conddepth", "hybrid"])
+def test_bench_ops_rows_meet_the_bars(suite):
+    """Every router's `what=ops` rows at the bars' size with mixed routing: sparse forward <= 2x the dense GPT's
+    forward (the hybrid 3x), B=1 decode step <= 1.2x the dense GPT's step."""
+    rows = {r["path"]: r for r in bench.ops_rows(suite)}
+    assert set(rows) == {"dense_hard", "sparse", "step"}
+    for path in ("sparse", "step"):
+        r = rows[path]
+        assert r["bar"] == (3.0 if suite == "hybrid" and path == "sparse" else bench.OPS_BARS[path])
+        assert r["meets_bar"] and r["ops"] <= r["bar"] * r["gpt_ops"], r
 
 
 # ---------------------------------------------------------------------------------------------------

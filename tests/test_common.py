@@ -325,7 +325,7 @@ def tiny_model(name, *flags):
     cfg, module, _ = train.parse_args(["--model", name, "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16",
                                        *TINY[name], *flags])
     torch.manual_seed(0)
-    return module.Model(cfg), cfg
+    return (module.build(cfg) if hasattr(module, "build") else module.Model(cfg)), cfg
 
 
 def decay_policy(model):
@@ -631,7 +631,7 @@ def test_train_steps_at_the_models_lr_schedule(model, data_dir, tmp_path, monkey
     (["--max_iters=ten"], "--max_iters expects int, got 'ten'"),
     (["--learning_rate", "fast"], "--learning_rate expects float"),
     (["--n_head=5"], "n_embd=32 is not divisible by n_head=5"),
-    (["--preset", "paper"], "unknown preset 'paper' for --model gpt"),
+    (["--preset", "laptop"], "unknown preset 'laptop' for --model gpt"),
     (["stray"], "unexpected argument 'stray'"),
     (["--device=tpu"], "device 'tpu' is not available"),
 ])
@@ -691,8 +691,8 @@ def test_ddp_two_processes_on_cpu(data_dir, tmp_path):
 def test_bench_gpt_quick_smoke(tmp_path):
     import bench
     rows = bench.main(["gpt", "--quick", "--repeats=1", f"--json={tmp_path / 'b.json'}"])
-    assert {r["what"] for r in rows} == {"forward", "train_step", "decode"}
-    assert all(r["speed_ratio_ours_vs_plain"] > 0 for r in rows if r["what"] != "decode")
+    assert {r["what"] for r in rows} == {"ops", "forward", "train_step", "decode"}
+    assert all(r["speed_ratio_ours_vs_plain"] > 0 for r in rows if r["what"] in ("forward", "train_step"))
     assert [r["B"] for r in rows if r["what"] == "decode"] == [1, 8]
     assert all(r["tokens_per_s"] > 0 and r["dense_tokens_per_s"] > 0 for r in rows if r["what"] == "decode")
     assert all(r["flops_ideal"] == 1.0 for r in rows if r["what"] == "decode")  # the same model twice
@@ -764,10 +764,18 @@ def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):
         a = model.generate(prompt, 30, temperature=0)
         b = model.generate(prompt, 30, temperature=0, use_cache=False)
     assert a.shape == (2, 33)
-    if dev.low:  # bf16: rounding may flip a near-tie late in the sequence; the start must agree
-        assert torch.equal(a[:, :12], b[:, :12]) and (a == b).float().mean() > 0.9
-    else:
+    if not dev.low:
         assert torch.equal(a, b)
+    for row in range(2):  # bf16: rounding may flip a near-tie; where the two first differ, it must be one
+        diff = (a[row] != b[row]).nonzero()
+        if len(diff):
+            j = int(diff[0])
+            assert j >= 12  # the start agrees
+            ctx = a[row:row + 1, common.window_start(j, 8):j]
+            with dev.autocast(), torch.no_grad():
+                logits = model(ctx)[0][0, -1].float()  # (V,) what the cache-free path saw at j
+            gap = (logits[a[row, j]] - logits[b[row, j]]).abs()
+            assert gap <= 0.02 * logits.abs().max(), (j, gap, logits.abs().max())
 
 
 def test_gpt_training_step_is_finite_on_every_device(dev):
