@@ -6,6 +6,7 @@ and reported as a ratio; FLOPs-ideal speedups come from common.py's accounting.
   python bench.py tsa --json out/bench_tsa.json
   python bench.py all --quick              # every suite at small sizes (a smoke run)
   python bench.py all --device cuda --dtype bf16
+  python bench.py ops                      # only the ops dispatched per call, every path (device-independent)
 
 Sweeps over batch or length end with a `what=crossover` row: the smallest B·T from which on the sparse path
 beats dense at every measured size. Every suite ends with `what=decode` rows: cached generation at batch 1
@@ -182,13 +183,16 @@ def ops_rows(suite):
     torch.manual_seed(0)
     gpt = count_paths(common.Model(common.Config(**OPS_SIZE)).eval())
     if suite == "gpt":
-        return [{"suite": suite, "what": "ops", "path": f"gpt_{p}", "ops": n} for p, n in gpt.items()]
+        return [{"suite": suite, "what": "ops", "path": f"gpt_{p}", "ops": n, "dtype": "bf16"} for p, n in gpt.items()]
     rows = []
     for path, n in count_paths(ops_model(suite)).items():
         ref = gpt["step" if path == "step" else "forward"]
-        bar = OPS_BARS.get(path, float("nan")) * (1.5 if suite == "hybrid" and path == "sparse" else 1.0)
-        rows.append({"suite": suite, "what": "ops", "path": "dense_hard" if path == "forward" else path, "ops": n,
-                     "gpt_ops": ref, "ratio_vs_gpt": n / ref, "bar": bar, "meets_bar": n / ref <= bar})
+        row = {"suite": suite, "what": "ops", "path": "dense_hard" if path == "forward" else path, "ops": n,
+               "gpt_ops": ref, "ratio_vs_gpt": n / ref, "dtype": "bf16"}
+        if path in OPS_BARS:
+            row["bar"] = OPS_BARS[path] * (1.5 if suite == "hybrid" and path == "sparse" else 1.0)
+            row["meets_bar"] = n / ref <= row["bar"]
+        rows.append(row)
     return rows
 
 
@@ -392,7 +396,7 @@ def bench_dtrnet(args, device, rows):
         for rho in (0.1, 0.3, 0.5):
             row("forward_forced", T, rho, forced(rho), dense)
     for rho in (0.1, 0.3, 0.5):
-        rows.append(crossover([r for r in rows if r["rho_set"] == rho], "speedup_measured", rho_set=rho))
+        rows.append(crossover([r for r in rows if r.get("rho_set") == rho], "speedup_measured", rho_set=rho))
     if args.ckpt:  # the trained router, at the checkpoint's own context length
         ck = common.load_checkpoint(args.ckpt)
         ccfg = dtrnet.Config(**{k: v for k, v in ck["config"].items() if k in dtrnet.Config.__dataclass_fields__})
@@ -592,7 +596,8 @@ class Rows(list):
         self.args, self.device = args, device
 
     def append(self, r):
-        r["device"], r["dtype"] = str(self.device), DTYPE
+        r["device"] = str(self.device)
+        r.setdefault("dtype", DTYPE)
         super().append(r)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
         if self.args.json:
@@ -609,7 +614,7 @@ class Rows(list):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=list(SUITES) + ["all"])
+    p.add_argument("suite", choices=list(SUITES) + ["all", "ops"], help="ops: only the what=ops rows of every suite")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=list(common.DTYPES), default=None,
                    help="autocast dtype (default: what training uses on the device: bf16 on CUDA, fp32 elsewhere)")
@@ -632,9 +637,10 @@ def main(argv=None):
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         torch.manual_seed(0)
         rows = Rows(args, device)
-        for name in (SUITES if args.suite == "all" else [args.suite]):
+        for name in (SUITES if args.suite in ("all", "ops") else [args.suite]):
             rows += ops_rows(name)  # first: no timing, and a run stopped in the suite keeps them
-            SUITES[name](args, device, rows)
+            if args.suite != "ops":
+                SUITES[name](args, device, rows)
     except common.NanorouteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

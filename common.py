@@ -8,14 +8,12 @@ nanoroute/common.py: the small shared core every paper file imports.
              GPT baseline (`--model gpt`): learned positions, tied embeddings, GPT-3 residual init.
 3. compute   TLOps savings Δ (TSA eq. 7) and forward FLOPs per token of each block component.
 4. plumbing  device/autocast/sync, AdamW groups, atomic checkpoints, eval loop, sampling.
-5. picture   one renderer (terminal + self-contained HTML) for every model's routing_map.
 
 Every model file follows one contract: a `Config` dataclass and a `Model` whose
 `forward(idx, targets=None, sparse=False)` returns `(logits, loss, stats)`; cached decoding through
 `prefill(idx)` / `step(tok, state)` (used by LM.generate); and routers define `routing_map(idx)`.
 """
 import hashlib
-import html
 import json
 import math
 import os
@@ -79,12 +77,10 @@ class Config:
                 setattr(self, f.name, float(v))
             elif f.type in (int, float, bool, str) and type(v) is not f.type:
                 raise NanorouteError(f"{f.name} must be {f.type.__name__}, got {v!r}")
+            elif f.type is float and not math.isfinite(v):
+                raise NanorouteError(f"{f.name} must be a finite number, got {v}")
         if self.n_embd % self.n_head:
             raise NanorouteError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        for f in fields(self):  # every numeric field in one place: finite, and in its range
-            v = getattr(self, f.name)
-            if f.type is float and not math.isfinite(v):
-                raise NanorouteError(f"{f.name} must be a finite number, got {v}")
         at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size", "eval_iters",
                         "eval_interval", "log_interval"),
                     0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr"),
@@ -97,11 +93,9 @@ class Config:
             raise NanorouteError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.min_lr > self.learning_rate:
             raise NanorouteError(f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}")
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise NanorouteError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise NanorouteError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
 # `--preset classroom` (every model extends this base with its own routing settings): ≤ 3 minutes on a
@@ -594,16 +588,10 @@ def pick_device(name="auto"):
     return device
 
 
-# Numerics policy (every model file follows it; tests/conftest.py runs each contract under it):
-#   - parameters and the residual stream x are fp32; autocast (bf16 on CUDA, fp16 where bf16 is
-#     unsupported, bf16 on CPU when asked) runs the matmuls in low precision, so block deltas arrive in
-#     bf16/fp16 and are cast to x's dtype where they are added (`x + g * delta.to(x.dtype)`, and
-#     `index_add(0, idx, delta.to(x.dtype))` on the sparse paths, which do not promote);
-#   - routers compute their logits/probabilities in fp32 (`.float()` before σ / softmax / top-k), so a
-#     decision at the threshold is the same in every dtype the rest of the model runs in;
-#   - recurrent state (Gated DeltaNet) is accumulated in fp32 under autocast too;
-#   - KV caches store K/V in the dtype the projection produced (bf16 under autocast), allocated lazily
-#     from the first K/V they receive.
+# Numerics policy (every model file follows it; tests/conftest.py runs each contract under it): parameters and
+# the residual stream are fp32; autocast runs the matmuls in bf16/fp16, whose deltas are added to the fp32 stream
+# by type promotion (no cast op); routers decide in fp32; recurrent state (Gated DeltaNet) accumulates in fp32;
+# KV caches hold K/V in the dtype the projection produced.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -744,66 +732,3 @@ def estimate_loss(model, data, meta, cfg, device, split="val", sparse=False):
     if meta.get("unit") in ("char", "byte"):
         out["bpc"] = out["loss"] / math.log(2)
     return out
-
-
-
-# ----------------------------------------------------------------------------------------------------
-# 5. The routing picture. Every router returns routing_map(idx (1, T)) -> (m (R, T) in [0, 1], row labels,
-# (meaning of 0, meaning of 1)); 1 = the token took the expensive path there. One renderer draws them all.
-
-CHEAP, COSTLY = (214, 234, 248), (239, 138, 54)  # light blue -> orange; black text stays readable on both
-
-
-def _mix(a):
-    return tuple(round(c0 + (c1 - c0) * a) for c0, c1 in zip(CHEAP, COSTLY))
-
-
-def _pieces(meta, idx):
-    """One printable string per token; a newline token shows as ⏎ and ends the line."""
-    return [decode(meta, [i]).replace("\n", "⏎\n") for i in idx]
-
-
-def render_routing(meta, idx, m, rows, legend, title, path=None, color=True, width=96):
-    """idx (T,) ids, m (R, T) in [0, 1] -> terminal text (ANSI colour, or a plain marker line under each
-    line of text when color=False) and, if path is given, a self-contained HTML file written atomically."""
-    toks, m = _pieces(meta, list(idx)), m.float().clamp(0, 1).tolist()
-    out = [f"{title}   legend: {legend[0]} = light" + (" (blue)" if color else " '.'") +
-           f", {legend[1]} = dark" + (" (orange)" if color else " '#'")]
-    for label, vals in zip(rows, m):
-        mean = sum(vals) / max(len(vals), 1)
-        out.append(f"-- {label}: {legend[1]} {mean:.0%}")
-        line, marks, n = "", "", 0
-        for tok, a in zip(toks, vals):
-            shown = tok.rstrip("\n")
-            if color:
-                r, g, b = _mix(a)
-                line += f"\x1b[38;2;0;0;0;48;2;{r};{g};{b}m{shown}\x1b[0m"
-            else:
-                line += shown
-                marks += ("#" if a > 0.5 else ".") * len(shown)
-            n += len(shown)
-            if tok.endswith("\n") or n >= width:
-                out += [line] + ([marks] if not color else [])
-                line, marks, n = "", "", 0
-        if n:
-            out += [line] + ([marks] if not color else [])
-    if path:
-        sections = []
-        for label, vals in zip(rows, m):
-            spans = "".join(f'<span style="background:rgb{_mix(a)}" title="{a:.2f}">{html.escape(t)}</span>'
-                            for t, a in zip(toks, vals))
-            sections.append(f"<h2>{html.escape(label)} <small>({legend[1]} {sum(vals) / max(len(vals), 1):.0%}"
-                            f")</small></h2>\n<pre>{spans}</pre>")
-        key = "".join(f'<span style="background:rgb{_mix(a)}">&nbsp;{html.escape(t)}&nbsp;</span> '
-                      for a, t in ((0.0, legend[0]), (0.5, "between"), (1.0, legend[1])))
-        page = ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>" + html.escape(title) +
-                "</title>\n<style>body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#111;"
-                "background:#fff}pre{font-size:16px;line-height:1.6;white-space:pre-wrap;word-break:break-all;"
-                "border:1px solid #ccc;padding:.5em}h2{font-size:1em;margin:1.2em 0 .2em}span{color:#000}</style>"
-                "</head><body>\n<h1>" + html.escape(title) + "</h1>\n<p>Each token is coloured by what the model "
-                "ran for it in each layer. " + key + "</p>\n" + "\n".join(sections) + "\n</body></html>\n")
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(page)
-        os.replace(path + ".tmp", path)
-    return "\n".join(out)

@@ -16,6 +16,7 @@ summary: hard (what inference runs) vs soft loss, vs a dense GPT of the same pre
 skipped per layer, sparse vs dense speed measured on the spot, the routing picture, and a sample.
 """
 import dataclasses
+import html
 import importlib
 import json
 import math
@@ -356,10 +357,72 @@ def speed_line(model, cfg, meta, val_data, device, repeats=5):
             f"densely, {med['gpt'] / med['sparse']:.2f}× a dense GPT of the same size")
 
 
+# ----------------------------------------------------------------------------------------------------
+# The routing picture. Every router returns routing_map(idx (1, T)) -> (m (R, T) in [0, 1], row labels,
+# (meaning of 0, meaning of 1)); 1 = the token took the expensive path there. One renderer draws them all.
+
+CHEAP, COSTLY = (214, 234, 248), (239, 138, 54)  # light blue -> orange; black text stays readable on both
+
+
+def _mix(a):
+    return tuple(round(c0 + (c1 - c0) * a) for c0, c1 in zip(CHEAP, COSTLY))
+
+
+def _pieces(meta, idx):
+    """One printable string per token; a newline token shows as ⏎ and ends the line."""
+    return [common.decode(meta, [i]).replace("\n", "⏎\n") for i in idx]
+
+
+def render_routing(meta, idx, m, rows, legend, title, path=None, color=True, width=96):
+    """idx (T,) ids, m (R, T) in [0, 1] -> terminal text (ANSI colour, or a plain marker line under each
+    line of text when color=False) and, if path is given, a self-contained HTML file written atomically."""
+    toks, m = _pieces(meta, list(idx)), m.float().clamp(0, 1).tolist()
+    out = [f"{title}   legend: {legend[0]} = light" + (" (blue)" if color else " '.'") +
+           f", {legend[1]} = dark" + (" (orange)" if color else " '#'")]
+    for label, vals in zip(rows, m):
+        mean = sum(vals) / max(len(vals), 1)
+        out.append(f"-- {label}: {legend[1]} {mean:.0%}")
+        line, marks, n = "", "", 0
+        for tok, a in zip(toks, vals):
+            shown = tok.rstrip("\n")
+            if color:
+                r, g, b = _mix(a)
+                line += f"\x1b[38;2;0;0;0;48;2;{r};{g};{b}m{shown}\x1b[0m"
+            else:
+                line += shown
+                marks += ("#" if a > 0.5 else ".") * len(shown)
+            n += len(shown)
+            if tok.endswith("\n") or n >= width:
+                out += [line] + ([marks] if not color else [])
+                line, marks, n = "", "", 0
+        if n:
+            out += [line] + ([marks] if not color else [])
+    if path:
+        sections = []
+        for label, vals in zip(rows, m):
+            spans = "".join(f'<span style="background:rgb{_mix(a)}" title="{a:.2f}">{html.escape(t)}</span>'
+                            for t, a in zip(toks, vals))
+            sections.append(f"<h2>{html.escape(label)} <small>({legend[1]} {sum(vals) / max(len(vals), 1):.0%}"
+                            f")</small></h2>\n<pre>{spans}</pre>")
+        key = "".join(f'<span style="background:rgb{_mix(a)}">&nbsp;{html.escape(t)}&nbsp;</span> '
+                      for a, t in ((0.0, legend[0]), (0.5, "between"), (1.0, legend[1])))
+        page = ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>" + html.escape(title) +
+                "</title>\n<style>body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#111;"
+                "background:#fff}pre{font-size:16px;line-height:1.6;white-space:pre-wrap;word-break:break-all;"
+                "border:1px solid #ccc;padding:.5em}h2{font-size:1em;margin:1.2em 0 .2em}span{color:#000}</style>"
+                "</head><body>\n<h1>" + html.escape(title) + "</h1>\n<p>Each token is coloured by what the model "
+                "ran for it in each layer. " + key + "</p>\n" + "\n".join(sections) + "\n</body></html>\n")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(path + ".tmp", path)
+    return "\n".join(out)
+
+
 def picture(model, idx, meta, title, path):
     """The model's routing_map drawn in the terminal (colour on a TTY) and written to path as HTML."""
     m, rows, legend = model.routing_map(idx)
-    return common.render_routing(meta, idx[0].tolist(), m, rows, legend, title, path, color=sys.stdout.isatty())
+    return render_routing(meta, idx[0].tolist(), m, rows, legend, title, path, color=sys.stdout.isatty())
 
 
 def sample(model, val_data, meta, device, n=200):

@@ -806,7 +806,7 @@ def test_render_routing_text_and_html(tmp_path):
     idx = [1, 2, 3, 4, 0, 1, 2]  # "abc \nab"
     m = torch.tensor([[1.0, 0, 1, 0, 0, 1, 0], [0.0, 0, 0, 0, 0, 0, 1]])
     path = str(tmp_path / "r" / "routing.html")
-    text = common.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo", path,
+    text = train.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo", path,
                                  color=False)
     lines = text.splitlines()
     assert lines[2:4] == ["abc ⏎", "#.#.."] and lines[4:6] == ["ab", "#."]  # text, then a marker per character
@@ -814,7 +814,7 @@ def test_render_routing_text_and_html(tmp_path):
     page = open(path, encoding="utf-8").read()
     assert page.count("<pre>") == 2 and "http" not in page and "<script" not in page  # self-contained
     assert 'title="1.00">a</span>' in page and "cheap" in page and "costly" in page
-    colored = common.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo")
+    colored = train.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo")
     assert "\x1b[" in colored and "#" not in colored.split("\n", 1)[1]
 
 
@@ -824,7 +824,7 @@ def test_routing_html_renders_in_a_headless_browser(tmp_path):
     browser = next(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b))
     meta = {"dataset": "shakespeare", "itos": list("\nabc ")}
     path = tmp_path / "routing.html"
-    common.render_routing(meta, [1, 2, 3] * 60, torch.rand(3, 180), ["l1", "l2", "l3"], ("a", "b"), "t", str(path))
+    train.render_routing(meta, [1, 2, 3] * 60, torch.rand(3, 180), ["l1", "l2", "l3"], ("a", "b"), "t", str(path))
     shot = tmp_path / "shot.png"
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                     f"--screenshot={shot}", "--window-size=900,900", path.as_uri()], timeout=60, capture_output=True)
