@@ -27,7 +27,7 @@ def data_dir(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The device × dtype matrix every model contract runs on (issue 16): CPU fp32 and CPU bf16 autocast
+# The device × dtype matrix every model contract runs on: CPU fp32 and CPU bf16 autocast
 # always; CUDA (its training dtype) and MPS (fp32) when present, skipped visibly otherwise. Tests take
 # the `dev` fixture and never depend on which device "auto" would pick.
 

@@ -656,7 +656,7 @@ def test_cli_end_to_end_subprocess(data_dir, tmp_path):
 
 @pytest.mark.parametrize("model", ["gpt", "tsa", "dtrnet", "conddepth", "hybrid"])
 def test_compile_trains_every_model_like_eager(model, data_dir, tmp_path):
-    """--compile=true (issue 16) runs train.py end to end (train steps, a mode switch, evals, the summary's
+    """--compile=true runs train.py end to end (train steps, a mode switch, evals, the summary's
     sparse pass) and gives eager's losses: a compile that breaks or changes a model fails here."""
     losses = {}
     for c in ("false", "true"):
@@ -724,7 +724,7 @@ def test_bench_paper_suites_quick_smoke(suite):
 
 
 # ---------------------------------------------------------------------------------------------------
-# cached decoding, the device matrix (issue 16) and the window policy shared by every model (issue 13)
+# cached decoding, the device matrix and the window policy shared by every model
 
 def test_window_start_keeps_between_half_and_full_block():
     for bs in (1, 2, 3, 8, 16):
@@ -799,7 +799,7 @@ def test_kv_cache_is_preallocated_and_typed_from_its_first_kv():
 
 
 # ---------------------------------------------------------------------------------------------------
-# the routing picture (issue 14)
+# the routing picture
 
 def test_render_routing_text_and_html(tmp_path):
     meta = {"dataset": "shakespeare", "itos": list("\nabc ")}
@@ -832,7 +832,7 @@ def test_routing_html_renders_in_a_headless_browser(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# the end of a run, --sample, bad input (issue 14)
+# the end of a run, --sample, bad input
 
 def test_run_ends_with_a_summary_and_keeps_the_best_checkpoint(data_dir, tmp_path, capsys):
     run(["--max_iters=10"], data_dir, tmp_path / "gpt")
