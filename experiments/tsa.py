@@ -6,7 +6,7 @@ skipped; --dry-run prints the commands); table commands read the runs' records.
   python experiments/tsa.py table results/tsa_small.jsonl     # their tables, from the `eval` records
   python experiments/tsa.py eval RUN... --out F.jsonl         # one record per run: soft/hard losses, α, sparse check
   python experiments/tsa.py proxy --seed S | proxy-table      # --preset paper at a proxy with its tokens per parameter
-  python experiments/tsa.py curve --shares 0.1,0.2 | curve-table   # the proxy's calibrated phase per exec_share
+  python experiments/tsa.py curve --seeds 1 | curve-table         # the proxy's calibrated phase per exec_share
   python experiments/tsa.py dense --dropouts 0.1,0.2 --lrs 3e-4,1e-3  # the dense GPT at the proxy's size and budget
 """
 import argparse
@@ -393,7 +393,7 @@ def main():
     p.add_argument("--seed", type=int, help="budget, proxy: the seed")
     p.add_argument("--seeds", default="1,2,3", help="curve, dense")
     p.add_argument("--branches", default="calibrate,soft,train,frozen", help="proxy")
-    p.add_argument("--shares", default="0.1,0.15,0.2,0.25,0.3", help="curve: exec_share values")
+    p.add_argument("--shares", default="0.87,0.73,0.7,0.6,0.4", help="curve: exec_share values (TLOps saved: 10-45%%)")
     p.add_argument("--dropouts", default="0.1,0.2", help="dense")
     p.add_argument("--lrs", default="3e-4,1e-3", help="dense")
     p.add_argument("--eval_iters", type=int, default=30, help="eval")
