@@ -549,9 +549,9 @@ class Model(CondDepthLM):
                 x = a + torch.where(full[..., None], block.ffn_delta(a), self.cheap[j](a))  # (B, 1, d), eq. (4)
         return self.head(x[:, -1:])[0][:, -1], (caches, pos + tok.size(1), folds)
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False):
         """common.LM.generate; mode="topk" re-routes the whole window each token (it has no causal cache)."""
-        return super().generate(idx, max_new_tokens, temperature, top_k, use_cache and self.mode == "causal")
+        return super().generate(idx, max_new_tokens, temperature, top_k, use_cache and self.mode == "causal", compile)
 
 
 # ----------------------------------------------------------------------------------------------------
