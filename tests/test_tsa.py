@@ -399,8 +399,6 @@ def test_compiled_decode_has_fixed_shapes(B):
 OPS_LIMITS = {"sparse": 2.26, "hard": 1.97, "step_active": 1.41, "step_halted": 0.92}
 
 
-@pytest.mark.xfail(strict=True, reason="the decode-step bar is not met yet: 1.45x the dense GPT's step with every "
-                   "routed layer active (results/bench.md)")
 def test_op_counts():
     kw = dict(n_layer=4, n_embd=64, n_head=4, block_size=64)
     x = ids(B=4, T=64)
