@@ -36,12 +36,8 @@ Deviations from the paper and choices where it is silent, one line each (results
 - the paper preset's P/D widths are 64 each: they give its trainable counts (G1 828,484, G3 849,348) exactly
 - controller_only=False also trains the backbone (the paper's future work; its frozen scope ends below the start)
 
-Training routes by exact top-k per sequence (eqs. 7–9); eval reports the causal hard loss and, as
-stats["soft_loss"], the top-k one (mode="topk" evaluates by top-k). θ starts at +∞ (all cheap; −∞ at ρ = 1) and
-is kept in the checkpoint. Inference runs G3 with its linear maps composed (GateG3.fold: 3 GEMMs, not 5).
-sparse=True runs the full FFN only on the full-path tokens, the cheap one (r/d_ff of a full FFN) on every token.
-
-The paper's compute proxies (§4) are infer_vs_full and compute_vs_full at the end of the file.
+Eval reports the causal hard loss and, as stats["soft_loss"], training's top-k one (mode="topk" evaluates by
+top-k). θ starts at +∞ (all cheap; −∞ at ρ = 1) and is kept in the checkpoint.
 """
 import math
 from dataclasses import dataclass, fields
@@ -173,8 +169,7 @@ class GateG3(nn.Module):
     def forward(self, a):
         c = self.w_c(a.detach())                                     # (B, T, d_c), eq. (11): sg(h)
         e = self.e[:, None, None, :].expand(2, *c.shape[:2], -1)     # (2, B, T, d_a)
-        q = self.pred(torch.cat([c.expand(2, *c.shape), e], -1))     # (2, B, T, d_s), eq. (12)
-        qf, qc = q[0], q[1]
+        qf, qc = self.pred(torch.cat([c.expand(2, *c.shape), e], -1))  # 2 × (B, T, d_s), eq. (12)
         u = self.head(torch.cat([qf, qc, qf - qc], -1)).squeeze(-1)  # (B, T), eq. (13)
         return u, (qf, qc)
 
@@ -190,11 +185,9 @@ def topk_mask(u, k):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Block: the cheap FFN of a controlled layer (eq. 5); attention and the full FFN are common.Block's
+# Block: the cheap FFN of a controlled layer, LN2_cheap then eq. (5); attention and the full FFN are common.Block's
 
 class CheapFFN(nn.Module):
-    """LN2_cheap then W_down SiLU(W_up x): returns the residual delta of eq. (3)."""
-
     def __init__(self, cfg):
         super().__init__()
         self.ln = nn.LayerNorm(cfg.n_embd)                           # its own LN, not shared with LN2
@@ -202,7 +195,7 @@ class CheapFFN(nn.Module):
         self.down = nn.Linear(cfg.cheap_rank, cfg.n_embd)
 
     def forward(self, a):
-        return self.down(F.silu(self.up(self.ln(a))))
+        return self.down(F.silu(self.up(self.ln(a))))               # the residual delta of eq. (3)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,15 +223,22 @@ class CondDepthLM(common.LM):
             if cfg.gate == "G3":
                 nn.init.normal_(g.e)                                 # distinct actions: q_full ≠ q_cheap at step 0
                 nn.init.orthogonal_(g.target.weight)                 # T: orthogonal init, frozen
-        if cfg.controller_only:                                      # paper §3.4: train cheap path + controller only
-            for name, p in self.named_parameters():
-                p.requires_grad = name.startswith(("cheap.", "gates.")) and ".target." not in name
+        self.train()                                                 # controller_only: the backbone frozen
         self.mode = cfg.mode                                         # switchable (tests, experiments)
         self.label_now = False                                       # set by on_step: oracle labels this step?
         self.last_masks = []                                         # per layer (B, T): the last forward's routing
         self.last_scores = []
         self.fold_key = None                                         # folds(): the gates' parameters it was made from
         self.fold_cache = None
+
+    def train(self, mode=True):
+        """controller_only (paper §3.4) freezes the backbone in training mode; in eval mode every weight but T
+        requires grad (none is taken there), so autocast casts each once per region, not once per call."""
+        super().train(mode)
+        for name, p in self.named_parameters():
+            trainable = not self.cfg.controller_only or name.startswith(("cheap.", "gates."))
+            p.requires_grad = ".target." not in name and (trainable or not mode)
+        return self
 
     def on_step(self, it):
         """train.py calls this before every step: oracle labels from label_start on, every label_every steps."""
@@ -247,18 +247,16 @@ class CondDepthLM(common.LM):
             and (it - cfg.label_start) % cfg.label_every == 0
 
     def controller(self, j, a, fold=()):
-        """u (B, T) and G3's (q_full, q_cheap), or (u, None) from G3's fold() (inference). In fp32 under any
-        autocast (numerics policy: the decision depends on a only, not on the dtype the rest runs in)."""
+        """u (B, T) and G3's (q_full, q_cheap), or (u, None) from G3's fold(); fp32 under any autocast."""
         with torch.autocast(a.device.type, enabled=False):
             a = a.float() if a.dtype.itemsize < 4 else a              # the fp32 residual (fp64 in tests) as it is
             return (self.gates[j].infer(a, fold), None) if fold else self.gates[j](a)
 
     def forward(self, idx, targets=None, sparse=False):
-        L, C = self.cfg.n_layer, self.cfg.n_controlled
         if sparse and self.training:
             raise NanorouteError("sparse=True is an inference path; call model.eval() first")
         x = self.embed(idx)                                          # (B, T, d)
-        for block in self.blocks[:L - C]:
+        for block in self.blocks[:self.cfg.n_layer - self.cfg.n_controlled]:
             x = block(x)
         topk = self.training or self.mode == "topk"                  # training is always the paper's top-k
         h, r = self.controlled(x, topk, sparse, targets is not None)
@@ -274,9 +272,8 @@ class CondDepthLM(common.LM):
         return logits, loss, stats
 
     def controlled(self, x, topk, sparse=False, losses=False):
-        """The C controlled layers on x (B, T, d), the residual entering the first one. topk: route by exact
-        top-k per sequence (training; in training also updates θ), else by the causal thresholds θ. Returns
-        the output residual and per layer u and m, plus (losses=True) p and the JEPA terms."""
+        """The C controlled layers on x (B, T, d), routed by exact top-k per sequence (topk; training also moves θ)
+        or by θ. Returns the output residual and per layer u and m, plus (losses) p and the JEPA terms."""
         cfg, C = self.cfg, self.cfg.n_controlled
         B, T, _ = x.shape
         k = budget_k(cfg.rho, T)
@@ -296,7 +293,7 @@ class CondDepthLM(common.LM):
             r["u"].append(u)
             r["m"].append(m)
             r["p"].append(p)
-            if sparse:                                               # each token runs only its own path
+            if sparse:
                 x = sparse_ffn(block, self.cheap[j], a, m)
                 continue
             h_full = a + block.ffn_delta(a)                          # eq. (2)
@@ -334,8 +331,7 @@ class CondDepthLM(common.LM):
 
     @torch.compiler.disable                                         # reads parameter versions: host bookkeeping
     def folds(self):
-        """Every gate's inference form (GateG3.fold; G1 has nothing to compose), in fp32 under any autocast; made
-        again only when a gate parameter changed (written in place, loaded, moved or cast), not on every forward."""
+        """Every gate's inference form (GateG3.fold) in fp32, made again only when a gate parameter changed."""
         key = [(p._version, p.data_ptr(), p.dtype) for p in self.gates.parameters()]
         if key != self.fold_key:
             with torch.autocast(self.wte.weight.device.type, enabled=False):
@@ -345,8 +341,7 @@ class CondDepthLM(common.LM):
 
     @torch.no_grad()
     def routing_map(self, idx):
-        """idx (1, T) -> (m (C, T): 1 = the token ran the full FFN at that layer in what inference runs,
-        row labels, legend)."""
+        """idx (1, T) -> (m (C, T): 1 = the full FFN ran there in what inference runs, row labels, legend)."""
         was_training = self.training
         self.eval()
         self(idx)
@@ -360,8 +355,7 @@ class CondDepthLM(common.LM):
 # Losses: eq. (19) and its terms; the oracle's labels (eqs. 15–16), a no-grad teacher independent of the gates
 
 def total_loss(model, x, targets, lm_loss, r):
-    """eq. (19) from the controlled layers' terms r (controlled(losses=True)) and the statistics train.py logs;
-    x (B, T, d): the residual entering the first controlled layer, where the oracle starts."""
+    """eq. (19) and the statistics train.py logs, from controlled()'s terms r; x: where the oracle starts."""
     cfg, L, C = model.cfg, model.cfg.n_layer, model.cfg.n_controlled
     T = x.size(1)
     full = torch.stack([m.float().mean() for m in r["m"]])          # (C,) fraction on the full path
@@ -389,8 +383,7 @@ def total_loss(model, x, targets, lm_loss, r):
 
 
 def jepa_terms(target, q, h_full, h_cheap, shuffle):
-    """eq. (14) for one layer: (L_JEPA, and for the logs ‖q_full − q_cheap‖ and cos(q_full, q_cheap));
-    target: the fixed map T; shuffle (A2): each token gets another token's targets."""
+    """eq. (14) for one layer, and for the logs ‖q_full − q_cheap‖ and cos(q_full, q_cheap); shuffle: A2."""
     qf, qc = q
     with torch.autocast(qf.device.type, enabled=False):
         z = target(torch.stack([h_full, h_cheap]).detach().to(qf.dtype))  # (2, B, T, d_s)
@@ -406,13 +399,6 @@ def derangement(n, device):
     perm = torch.empty_like(order)
     perm[order] = order.roll(-1)                                     # order[i] -> order[i+1]
     return perm
-
-
-def windowed_ce(ce, W, gamma):
-    """eq. (16): C̃E_t = Σ_{δ<W} γ^δ CE_{t+δ}; (N, T) -> (N, T), positions past T contribute 0."""
-    T = ce.size(1)
-    padded = F.pad(ce, (0, W - 1))
-    return sum(gamma ** d * padded[:, d:d + T] for d in range(W))
 
 
 def rank_loss(u, u_star):
@@ -432,12 +418,11 @@ def token_ce(model, h, targets):
 
 @torch.no_grad()
 def oracle_labels(model, x, targets):
-    """u*_l (B, T) for each controlled layer, from x (B, T, d) entering the first one. The full branch is
-    the dense model (one pass, keeping each layer's K/V); the cheap branch of fork (l, t) changes token t's
-    FFN at layer l only, so positions < t are unchanged and only t … t+W−1 enter its window: each fork
-    recomputes those W positions of the later layers against the dense K/V of positions < t."""
+    """u*_l (B, T) for each controlled layer, from x (B, T, d) entering the first one. The full branch is the
+    dense model (one pass, keeping each layer's K/V); fork (l, t) changes token t's FFN at layer l only, so it
+    recomputes only t … t+W−1 (its window) in the later layers, against the dense K/V of positions < t."""
     cfg, C, W = model.cfg, model.cfg.n_controlled, model.cfg.oracle_window
-    B, T, _ = x.shape
+    T = x.size(1)
     blocks = model.blocks[-C:]
     kv, outs, cheap_outs = [], [], []
     for j, block in enumerate(blocks):                               # the dense pass
@@ -471,10 +456,8 @@ def fork_block(block, h, K, V, valid):
     q, k, v = block.attn.c_attn(block.ln_1(h)).view(B, T, W, 3, nh, d // nh).permute(3, 0, 4, 1, 2, 5)
     s_dense = torch.einsum("bhtwe,bhse->bhtws", q, K).float()        # (B, nh, T, W, T)
     s_fork = torch.einsum("bhtwe,bhtve->bhtwv", q, k).float()        # (B, nh, T, W, W)
-    t = torch.arange(T, device=h.device)
-    w = torch.arange(W, device=h.device)
-    see_dense = (t[None, :] < t[:, None])[:, None, :]                # (T, 1, T): key s < t
-    see_fork = (w[None, :] <= w[:, None]) & valid[:, None, :]        # (T, W, W): own keys up to w
+    see_dense = torch.ones(T, T, dtype=torch.bool, device=h.device).tril(-1)[:, None]  # (T, 1, T): key s < t
+    see_fork = torch.ones(W, W, dtype=torch.bool, device=h.device).tril() & valid[:, None, :]  # (T, W, W): w' <= w
     s = torch.cat([s_dense.masked_fill(~see_dense, -math.inf), s_fork.masked_fill(~see_fork, -math.inf)], -1)
     att = (s / math.sqrt(d // nh)).softmax(-1).to(v.dtype)           # (B, nh, T, W, T + W)
     y = torch.einsum("bhtws,bhse->bhtwe", att[..., :T], V) + torch.einsum("bhtwv,bhtve->bhtwe", att[..., T:], v)
@@ -486,11 +469,8 @@ def fork_block(block, h, K, V, valid):
 # Sparse inference: each token runs only its own FFN
 
 def sparse_ffn(block, cheap, a, m):
-    """a (B, T, d), m (B, T) -> eq. (4): the full FFN only on the batch's full-path tokens (one gather, one
-    write-back over the cheap result), the cheap FFN (r/d_ff of a full one) on every token; one path alone when
-    all agree. The full FFN's row count changes with the routing: GEMMs, LayerNorm and GELU on n rows, which CUDA
-    runs without per-shape setup (cuBLAS picks a kernel per call; unlike cuDNN attention, nothing is built per
-    length), so no bucketing. A captured graph would need one graph per n: decode_ffn avoids this path there."""
+    """a (B, T, d), m (B, T) -> eq. (4): the full FFN only on the full-path tokens (one gather, one write-back over
+    the cheap result), the cheap FFN on every token; one path alone when all agree. n varies: no CUDA graph."""
     a2 = a.reshape(-1, a.size(-1))                                   # (N, d)
     i_full = m.reshape(-1).nonzero().squeeze(1)                      # (n,): the one host sync, to know n
     if i_full.numel() == a2.size(0):
@@ -506,8 +486,7 @@ def sparse_ffn(block, cheap, a, m):
 # Cached decoding (state = (a KVCache per layer, the position as a 0-d tensor, the gates' inference form))
 
 class Model(CondDepthLM):
-    """CondDepthLM with cached decoding: attention is unchanged, so every token's K/V is cached at every layer,
-    and each token runs the FFN its gate picks at each controlled layer."""
+    """CondDepthLM with cached decoding: every token's K/V is cached at every layer (attention is unchanged)."""
 
     sparse_ffn = staticmethod(sparse_ffn)                            # model.sparse_ffn: bench.py times it
 
@@ -520,9 +499,8 @@ class Model(CondDepthLM):
 
     @torch.no_grad()
     def step(self, tok, state):
-        """tok (B, T') from position pos (a 0-d tensor) on; caches None (prefill): tok is the prompt, and they are
-        made. A decoded token writes its K/V at pos and reads the whole preallocated cache under a mask: no shape
-        depends on pos, so torch.compile(mode="reduce-overhead") can capture the step as one CUDA graph."""
+        """tok (B, T') from position pos (a 0-d tensor) on; caches None: tok is the prompt (prefill). A decoded
+        token writes its K/V at pos and reads the whole cache under a mask: no shape depends on pos."""
         caches, pos, folds = state
         L, C, S = self.cfg.n_layer, self.cfg.n_controlled, self.cfg.block_size
         prefill = caches[0] is None
@@ -540,9 +518,7 @@ class Model(CondDepthLM):
                 x = a + block.ffn_delta(a)
                 continue
             full = self.controller(j, a, folds[j])[0] > self.thresholds[j]  # (B, T')
-            # The prompt, and one token eagerly: each token runs only its FFN (one token: the host reads the decision,
-            # one sync, and runs that FFN alone). B > 1 or compiled: both FFNs and a select, no sync, fixed shapes (a
-            # mixed batch reads both FFNs' weights anyway; a captured graph pays per graph and sync, not per op).
+            # the prompt, or one token eagerly (one sync: that FFN alone); B > 1 or compiled: both FFNs, a select
             if prefill or (x.size(0) == 1 and not torch.compiler.is_compiling()):
                 x = sparse_ffn(block, self.cheap[j], a, full)
             else:
@@ -573,8 +549,7 @@ def controller_flops(cfg, train, folded=True):
 
 
 def flops_per_token(cfg, T, full):
-    """Inference forward FLOPs per token, full (C,) = fraction of tokens on the full path per layer
-    (a tensor or a list: tensor math, no host sync)."""
+    """Inference forward FLOPs per token; full (C,): each layer's full-path fraction (tensor math, no host sync)."""
     full = torch.as_tensor(full, dtype=torch.float32)
     ffn, cheap = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd), common.flops_ffn(cfg.n_embd, cfg.cheap_rank)
     routed = full * ffn + (1 - full) * cheap + controller_flops(cfg, train=False)
