@@ -26,6 +26,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 
@@ -118,13 +119,45 @@ def decode_rows(suite, model, device, args, extra=None, compiled=False):
     return rows
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops a call dispatches: at this project's sizes a GPU is bound by how many ops the host
+    launches (~30 µs each), not by FLOPs, and the count is the same on every device. Views and other
+    metadata-only ops launch no kernel and are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func in METADATA_OPS):
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self):
+        return sum(self.ops.values())
+
+
+METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.sym_size.int,
+                torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default, torch.ops.aten.dim.default,
+                torch.ops.aten.is_contiguous.default}
+
+
+def count_ops(fn, *args, **kwargs):
+    """Ops dispatched by one call of fn(*args, **kwargs): (total, {op name: count})."""
+    with OpCounter() as c:
+        fn(*args, **kwargs)
+    return c.total, c.ops
+
+
 OPS_SIZE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=8, n_embd=256, dropout=0.0)  # the bars' size
 OPS_BARS = {"sparse": 2.0, "step": 1.2}  # vs the dense GPT's forward / decode step (the hybrid's forward: 3.0)
 
 
 @torch.no_grad()
 def count_paths(model, B=8, T=256):
-    """Ops dispatched (common.count_ops) by model's forward at (B, T), its sparse forward when it has one, and
+    """Ops dispatched (count_ops) by model's forward at (B, T), its sparse forward when it has one, and
     its B=1 decode step after a 100-token prefill (the most over 8 steps: a routed step's count depends on the
     path the token takes). Counted on the CPU under bf16 autocast (what CUDA trains and infers in): the count of
     a path does not depend on the device, and every machine gives the same rows."""
@@ -132,13 +165,13 @@ def count_paths(model, B=8, T=256):
     out = {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(idx)  # warm-up: lazily built state is not counted
-        out["forward"] = common.count_ops(model, idx)[0]
+        out["forward"] = count_ops(model, idx)[0]
         if model.__class__ is not common.Model:
-            out["sparse"] = common.count_ops(model, idx, sparse=True)[0]
+            out["sparse"] = count_ops(model, idx, sparse=True)[0]
         logits, state = model.prefill(idx[:1, :100])
         steps = []
         for t in range(100, 108):
-            n, _ = common.count_ops(lambda: steps.append(model.step(idx[:1, t:t + 1], state)))
+            n, _ = count_ops(lambda: steps.append(model.step(idx[:1, t:t + 1], state)))
             state = steps[-1][1]
             steps[-1] = n
         out["step"] = max(steps)

@@ -27,7 +27,6 @@ import requests
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class NanorouteError(Exception):
@@ -610,38 +609,6 @@ def autocast(device, dtype=None):
     if dtype == "fp32":
         return nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[dtype])
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops a call dispatches: at this project's sizes a GPU is bound by how many ops the host
-    launches (~30 µs each), not by FLOPs, and the count is the same on every device. Views and other
-    metadata-only ops launch no kernel and are not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func.is_view or func in METADATA_OPS):
-            name = func.overloadpacket.__name__
-            self.ops[name] = self.ops.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self):
-        return sum(self.ops.values())
-
-
-METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.sym_size.int,
-                torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default, torch.ops.aten.dim.default,
-                torch.ops.aten.is_contiguous.default}
-
-
-def count_ops(fn, *args, **kwargs):
-    """Ops dispatched by one call of fn(*args, **kwargs): (total, {op name: count})."""
-    with OpCounter() as c:
-        fn(*args, **kwargs)
-    return c.total, c.ops
 
 
 def sync(device):

@@ -57,7 +57,7 @@ def test_count_ops_counts_kernels_not_views():
     def f():
         y = (x + 1).view(2, 12).t().reshape(12, 2) * 2  # add, mul (view, t, reshape: metadata only)
         return y.detach().to(torch.bfloat16).exp()     # _to_copy, exp
-    total, ops = common.count_ops(f)
+    total, ops = bench.count_ops(f)
     assert total == 4 and ops == {"add": 1, "mul": 1, "_to_copy": 1, "exp": 1}, ops
 
 
@@ -70,12 +70,12 @@ def test_bench_ops_rows_for_the_dense_gpt_match_a_direct_count():
     idx = torch.randint(0, 65, (8, 256), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         m(idx)  # warm-up: autocast's weight casts are made once
-        assert rows["gpt_forward"] == common.count_ops(m, idx)[0]
+        assert rows["gpt_forward"] == bench.count_ops(m, idx)[0]
         _, state = m.prefill(idx[:1, :20])
         counts = []
         for t in (20, 21, 200):
             state = (state[0], torch.tensor(t))
-            counts.append(common.count_ops(m.step, idx[:1, :1], state)[0])
+            counts.append(bench.count_ops(m.step, idx[:1, :1], state)[0])
     assert counts == [rows["gpt_step"]] * 3
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import bench
 import common
 from conftest import compiled_decode_matches, decoded_vs_full
 import conddepth as cd
@@ -193,15 +194,15 @@ def test_compiled_decode_has_fixed_shapes(B):
 
 @torch.no_grad()
 def op_counts(m, B=8, T=256):
-    """Ops dispatched (common.count_ops) under bf16 autocast at the bars' batch (B = 8, T = 256) by the forward and
+    """Ops dispatched (bench.count_ops) under bf16 autocast at the bars' batch (B = 8, T = 256) by the forward and
     the sparse forward, and by a B = 1 decode step (step_ops)."""
     idx = data(B=B, T=T)[0]
     out = {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         m(idx)                                                       # warm-up: autocast keeps its weight casts
-        out["forward"] = common.count_ops(m, idx)[0]
+        out["forward"] = bench.count_ops(m, idx)[0]
         if isinstance(m, cd.Model):
-            out["sparse"] = common.count_ops(m, idx, sparse=True)[0]
+            out["sparse"] = bench.count_ops(m, idx, sparse=True)[0]
     return {**out, "step": step_ops(m)}
 
 
@@ -214,7 +215,7 @@ def step_ops(m, steps=6):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, state = m.prefill(idx[:, :100])
         for t in range(100, 100 + steps):
-            counts.append(common.count_ops(lambda: m.step(idx[:, t:t + 1], state))[0])
+            counts.append(bench.count_ops(lambda: m.step(idx[:, t:t + 1], state))[0])
             _, state = m.step(idx[:, t:t + 1], state)
     return max(counts)
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import bench
 import common
 import dtrnet
 import train
@@ -595,7 +596,7 @@ def test_dev_training_step(dev):
 
 
 # ---------------------------------------------------------------------------------------------------
-# ops dispatched per call (common.count_ops): at this project's sizes a GPU is bound by them, not by FLOPs
+# ops dispatched per call (bench.count_ops): at this project's sizes a GPU is bound by them, not by FLOPs
 
 def half_routed(m, idx):
     """Mixed routing in a fresh model: each router's W2 gets a bias that moves the median of its logit gap
@@ -626,12 +627,12 @@ def test_ops_per_call_within_the_bars():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for name, model in (("gpt", gpt), ("dtrnet", m)):
             model(idx)  # warm-up: autocast's weight casts are made once
-            counts[name, "fwd"] = common.count_ops(model, idx, sparse=True)[0]
+            counts[name, "fwd"] = bench.count_ops(model, idx, sparse=True)[0]
             _, state = model.prefill(idx[:1, :32])
             steps = []
             for t in range(32, 36):
                 out = []
-                steps.append(common.count_ops(lambda: out.append(model.step(idx[:1, t:t + 1], state)))[0])
+                steps.append(bench.count_ops(lambda: out.append(model.step(idx[:1, t:t + 1], state)))[0])
                 state = out[0][1]
             counts[name, "step"] = max(steps)
         fracs = torch.stack([m(idx)[2][f"frac_l{i}"] for i in m.d_layers])

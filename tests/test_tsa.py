@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+import bench
 import common
 import tsa
 from conftest import compiled_decode_matches
@@ -392,7 +393,7 @@ def test_compiled_decode_has_fixed_shapes(B):
     assert halts.any() and not halts.all()
 
 
-# The op counts of common.count_ops (what a GPU's host dispatches, the same on every device) at a small size under
+# The op counts of bench.count_ops (what a GPU's host dispatches, the same on every device) at a small size under
 # CPU bf16 autocast, against the dense GPT of the same size: today's values, so that a regression (one cast or
 # one gather more per routed block) fails. At the paper size (6 × 256, B=8, T=256) these are: sparse forward 182
 # (dense GPT 79), decode step 85–140 by path (dense GPT 95); results/bench.md has the table.
@@ -409,12 +410,12 @@ def test_op_counts():
     def step_ops(model):
         _, state = model.prefill(x[:1, :40])
         _, state = model.step(x[:1, 40:41], state)
-        return common.count_ops(model.step, x[:1, 41:42], state)[0]
+        return bench.count_ops(model.step, x[:1, 41:42], state)[0]
 
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         dense(x), m(x), m(x, sparse=True)  # warm-up: autocast then holds the weights' casts, as in a decode loop
-        d, d_step = common.count_ops(dense, x)[0], step_ops(dense)
-        ratio = {"sparse": common.count_ops(m, x, sparse=True)[0] / d, "hard": common.count_ops(m, x)[0] / d}
+        d, d_step = bench.count_ops(dense, x)[0], step_ops(dense)
+        ratio = {"sparse": bench.count_ops(m, x, sparse=True)[0] / d, "hard": bench.count_ops(m, x)[0] / d}
         assert 0.3 < m(x, sparse=True)[2]["alpha_hard"] < 0.7  # mixed routing
         for path, bias in (("step_active", -50.0), ("step_halted", 50.0)):
             for r in m.routers:
