@@ -1,17 +1,13 @@
 """
 nanoroute/common.py: the small shared core every paper file imports.
 
-1. data      prepare() writes data/<name>/{train,val}.bin (uint16) + meta.json once; get_batch() reads
-             random windows through np.memmap. Datasets: shakespeare (chars), shakespeare_bpe (GPT-2
-             BPE), enwik8 (bytes, 90M/5M/5M), copy and sort (the TSA paper's synthetic tasks).
-2. blocks    pre-norm GPT block that exposes its attention delta and FFN delta separately, and the dense
-             GPT baseline (`--model gpt`): learned positions, tied embeddings, GPT-3 residual init.
+1. data      prepare() writes data/<name>/{train,val}.bin (uint16) + meta.json once; get_batch() reads windows.
+2. blocks    the pre-norm GPT block (attention and FFN deltas apart) and the dense GPT baseline (`--model gpt`).
 3. compute   TLOps savings Δ (TSA eq. 7) and forward FLOPs per token of each block component.
 4. plumbing  device/autocast/sync, AdamW groups, atomic checkpoints, eval loop, sampling.
 
-Every model file follows one contract: a `Config` dataclass and a `Model` whose
-`forward(idx, targets=None, sparse=False)` returns `(logits, loss, stats)`; cached decoding through
-`prefill(idx)` / `step(tok, state)` (used by LM.generate); and routers define `routing_map(idx)`.
+Every model file has a `Config` and a `Model` whose `forward(idx, targets=None, sparse=False)` returns
+`(logits, loss, stats)`, with cached decoding through `prefill(idx)` / `step(tok, state)`.
 """
 import hashlib
 import json
@@ -97,15 +93,11 @@ class Config:
                 raise NanorouteError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
-# `--preset classroom` (every model extends this base with its own routing settings): ≤ 3 minutes on a
-# 2-core laptop CPU including data preparation, a sample that reads like Shakespeare.
+# `--preset classroom` (each model adds its routing settings): ≤ 3 minutes on a 2-core laptop CPU.
 CLASSROOM = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, max_iters=1500,
                  eval_interval=500, eval_iters=20, log_interval=100, learning_rate=2e-3, min_lr=1e-4,
                  warmup_iters=50)
-# `--model gpt --preset paper`: the dense reference of TSA's paper preset, at the TSA paper's size and budget
-# (6 × 256, 8 heads, ctx 128, batch 64, 5000 steps, AdamW β2 0.95, wd 0.1) with the settings that reach the
-# paper's dense baseline (1.4422): lr 1e-3 → 1e-4 and dropout 0.2 (measured 1.4408 on an H100,
-# results/tsa.md). TSA's own settings (lr 3e-4 → 3e-5, dropout 0.1) leave this dense GPT at 1.468–1.475.
+# `--model gpt --preset paper`: TSA's paper size and budget, tuned to its dense baseline 1.4422 (results/tsa.md).
 PAPER = dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000, learning_rate=1e-3,
              min_lr=1e-4, beta2=0.95, weight_decay=0.1, dropout=0.2, eval_interval=500)
 PRESETS = {"classroom": CLASSROOM, "paper": PAPER}
@@ -154,13 +146,6 @@ def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20):
                          f"download it yourself and place it at {dest}")
 
 
-def _write_split(path, ids):
-    arr = np.asarray(ids, dtype=np.uint16)  # every vocabulary here fits (load_split reads uint16)
-    arr.tofile(path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return len(arr)
-
-
 def _task_records(kind, n, rng):
     """[BOS] src [SEP] tgt [EOS]; tgt = src (copy) or sorted(src) (sort)."""
     src = rng.integers(0, TASK_VOCAB, size=(n, TASK_LEN))
@@ -197,7 +182,7 @@ def prepare(name, data_dir=DATA_DIR, url=None):
             splits = {"train": [stoi[c] for c in text[:n]], "val": [stoi[c] for c in text[n:]]}
             meta.update(vocab_size=len(chars), itos=chars, unit="char")
         else:
-            enc = _bpe()
+            enc = bpe()
             splits = {"train": enc.encode_ordinary(text[:n]), "val": enc.encode_ordinary(text[n:])}
             meta.update(vocab_size=enc.n_vocab, encoding="r50k_base", unit="token")
         meta["characters"] = len(text)
@@ -221,7 +206,10 @@ def prepare(name, data_dir=DATA_DIR, url=None):
         splits = {"train": _task_records(name, 10_000, rng), "val": _task_records(name, 1_000, rng)}
         meta.update(vocab_size=TASK_VOCAB + 3, record_len=2 * TASK_LEN + 3, unit="token")
     for split, ids in splits.items():
-        meta[f"{split}_tokens"] = _write_split(os.path.join(d, f"{split}.bin"), ids)
+        path, arr = os.path.join(d, f"{split}.bin"), np.asarray(ids, dtype=np.uint16)  # every vocabulary fits
+        arr.tofile(path + ".tmp")
+        os.replace(path + ".tmp", path)
+        meta[f"{split}_tokens"] = len(arr)
     with open(meta_path + ".tmp", "w") as f:
         json.dump(meta, f)
     os.replace(meta_path + ".tmp", meta_path)
@@ -230,7 +218,7 @@ def prepare(name, data_dir=DATA_DIR, url=None):
     return meta
 
 
-def _bpe():
+def bpe():
     import tiktoken
     return tiktoken.get_encoding("r50k_base")  # the GPT-2 vocabulary (same ids as "gpt2")
 
@@ -273,34 +261,11 @@ def get_batch(data, meta, batch_size, block_size, rng, device="cpu"):
     return x.to(device), y.to(device)
 
 
-def encode(meta, text):
-    """A prompt -> ids; a character outside the vocabulary is a one-line error."""
-    if meta["dataset"] == "shakespeare":
-        stoi = {c: i for i, c in enumerate(meta["itos"])}
-        bad = sorted(set(text) - set(stoi))
-        if bad:
-            raise NanorouteError(f"the prompt has characters Tiny Shakespeare never uses: {''.join(bad)!r}")
-        return [stoi[c] for c in text]
-    if meta["dataset"] == "shakespeare_bpe":
-        return _bpe().encode_ordinary(text)
-    if meta["dataset"] == "enwik8":
-        return list(text.encode("utf-8"))
-    names = {"[BOS]": BOS, "[SEP]": SEP, "[EOS]": EOS}
-    try:
-        ids = [names[w] if w in names else int(w) for w in text.split()]
-    except ValueError:
-        raise NanorouteError(f"a {meta['dataset']} prompt is space-separated numbers 0..{TASK_VOCAB - 1} and "
-                             f"[BOS]/[SEP]/[EOS], got {text!r}")
-    if not all(0 <= i < meta["vocab_size"] for i in ids):
-        raise NanorouteError(f"prompt ids must be in 0..{meta['vocab_size'] - 1}")
-    return ids
-
-
 def decode(meta, ids):
     if meta["dataset"] == "shakespeare":
         return "".join(meta["itos"][i] for i in ids)
     if meta["dataset"] == "shakespeare_bpe":
-        return _bpe().decode(ids)
+        return bpe().decode(ids)
     if meta["dataset"] == "enwik8":
         return bytes(ids).decode("utf-8", errors="replace")
     return " ".join({BOS: "[BOS]", SEP: "[SEP]", EOS: "[EOS]"}.get(i, str(i)) for i in ids)
@@ -329,8 +294,7 @@ class CausalSelfAttention(nn.Module):
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     def attend(self, q, k, v, attn_mask=None, causal=True):
-        """Causal SDPA, or an explicit boolean mask (True = may attend), or causal=False: every query sees
-        every key (one new query against a cache of its past). Returns merged heads (B, T, C)."""
+        """Causal SDPA, or under attn_mask (bool: True = may attend), or causal=False (every key) -> (B, T, C)."""
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
                                            is_causal=causal and attn_mask is None)  # (B, nh, T, hs)
@@ -373,7 +337,7 @@ class Block(nn.Module):
         return x + self.ffn_delta(x)
 
     def prefill(self, x, block_size):
-        """forward(x) that also returns this block's K/V in a KVCache (cached decoding)."""
+        """forward(x) that also returns this block's K/V in a KVCache."""
         q, k, v = self.attn.qkv(self.ln_1(x))  # 3 × (B, nh, T, hs)
         cache = KVCache(x.size(0), block_size, k, v)
         x = x + self.attn.c_proj(self.attn.attend(q, k, v)).to(x.dtype)
@@ -432,13 +396,10 @@ class LM(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False):
-        """Sample max_new_tokens after idx (B, T0) in eval mode (what inference runs: hard routing, cached).
-        The model conditions on the window idx[:, window_start(n, block_size):]. A model with a cache defines
-        prefill(idx) -> (logits (B, V), state) and step(tok (B, 1), state) -> (logits, state); the cache is
-        rebuilt when the window restarts. use_cache=False recomputes the window every token: the reference
-        the cached path equals token for token. compile=True compiles the step, whose shapes do not change
-        from token to token: on CUDA as CUDA graphs (mode="reduce-overhead"), one launch per step instead of
-        one per op."""
+        """Sample max_new_tokens after idx (B, T0) in eval mode (hard routing) on the window
+        idx[:, window_start(n, block_size):], through prefill(idx) -> (logits (B, V), state) and step(tok (B, 1),
+        state) -> (logits, state). use_cache=False recomputes the window every token (the reference).
+        compile=True compiles the step (fixed shapes): on CUDA as one CUDA graph per step."""
         was_training = self.training
         self.eval()
         cached = use_cache and hasattr(self, "prefill")
@@ -463,9 +424,8 @@ class LM(nn.Module):
 
 
 def window_start(n, block_size):
-    """First index of the context window when the context holds n tokens: everything while n <= block_size;
-    beyond, the window restarts from the last block_size // 2 tokens and grows back to block_size (so a
-    cache is rebuilt once every block_size − h + 1 tokens instead of every token)."""
+    """First index of the context window over n tokens: 0 while n <= block_size; beyond, it restarts from the
+    last block_size // 2 tokens and grows back (a cache is rebuilt once per block_size − h + 1 tokens)."""
     if n <= block_size:
         return 0
     h = max(block_size // 2, 1)  # tokens kept when the window restarts
@@ -519,10 +479,8 @@ class Model(LM):
 
 
 class KVCache:
-    """K, V of one layer, preallocated to block_size positions (no growth by torch.cat); typed from the
-    first K/V it holds (bf16 under autocast, see the numerics policy). A decode step writes at a position
-    held in a tensor and reads the whole buffer under a mask (`past_mask`), so its shapes never change from
-    token to token and torch.compile(mode="reduce-overhead") can capture it as one CUDA graph."""
+    """K, V of one layer preallocated to block_size positions, in the dtype of the first K/V. A step writes at a
+    position held in a tensor and reads the whole buffer under past_mask: shapes fixed, one CUDA graph."""
 
     def __init__(self, B, block_size, k, v):
         nh, T, hs = k.shape[1:]
@@ -533,16 +491,14 @@ class KVCache:
             torch._dynamo.mark_static_address(t)
 
     def append(self, pos, k, v):
-        """Write the K/V of position pos (a 0-d long tensor) (B, nh, 1, hs); return the whole buffers
-        (B, nh, S, hs): positions after pos hold stale values that past_mask(pos) hides."""
+        """Write k, v (B, nh, 1, hs) at pos (0-d); return the buffers (B, nh, S, hs) (past_mask hides > pos)."""
         self.k.index_copy_(2, pos.view(1), k)
         self.v.index_copy_(2, pos.view(1), v)
         return self.k, self.v
 
 
 def past_mask(pos, S, dtype):
-    """(1, S) additive mask in the cache's dtype, 0 at positions 0..pos (a 0-d tensor), -inf after: what a
-    decode step at pos may attend to. Made once per step; a bool mask would be converted in every layer."""
+    """(1, S) additive mask in the cache's dtype: 0 at 0..pos, -inf after (a bool one is converted per layer)."""
     future = torch.arange(S, device=pos.device) > pos  # (S,)
     return torch.zeros(1, S, dtype=dtype, device=pos.device).masked_fill_(future, float("-inf"))
 
@@ -664,27 +620,20 @@ def load_checkpoint(path):
     return ckpt
 
 
-def check_same_arch(saved, cfg, path):
-    for k in ARCH_FIELDS:
-        if k in saved and saved[k] != getattr(cfg, k):
-            raise NanorouteError(f"checkpoint {path} has {k}={saved[k]} but this run asks for {k}={getattr(cfg, k)}")
-
-
 def eval_rng(seed, split, k):
-    """The k-th evaluation batch of a split is the same in every run with this seed (cfg.eval_seed, or
-    cfg.seed when that is -1)."""
+    """The k-th evaluation batch of a split, the same in every run with this seed."""
     return np.random.default_rng([seed, 1 + ("train", "val", "test").index(split), k])
 
 
 @torch.no_grad()
 def estimate_loss(model, data, meta, cfg, device, split="val", sparse=False):
-    """Mean LM loss, next-token accuracy and every routing stat over cfg.eval_iters fixed batches, in
-    eval mode (hard routing). Returns plain floats."""
+    """Mean LM loss, accuracy and routing stats (floats) over cfg.eval_iters fixed batches, in eval mode."""
     was_training = model.training
     model.eval()
     sums = {}
+    seed = cfg.eval_seed if cfg.eval_seed >= 0 else cfg.seed
     for k in range(cfg.eval_iters):
-        x, y = get_batch(data, meta, cfg.batch_size, cfg.block_size, eval_rng(cfg.eval_seed if cfg.eval_seed >= 0 else cfg.seed, split, k), device)
+        x, y = get_batch(data, meta, cfg.batch_size, cfg.block_size, eval_rng(seed, split, k), device)
         with autocast(device):
             logits, loss, stats = model(x, y, sparse=sparse)
         mask = y >= 0

@@ -182,7 +182,10 @@ def train(cfg, module, resume=False):
     start, best_val = 0, float("inf")
     if resume:
         ckpt = common.load_checkpoint(ckpt_path)
-        common.check_same_arch(ckpt["config"], cfg, ckpt_path)
+        for k in common.ARCH_FIELDS:
+            if ckpt["config"].get(k, getattr(cfg, k)) != getattr(cfg, k):
+                raise NanorouteError(f"checkpoint {ckpt_path} has {k}={ckpt['config'][k]} but this run asks for "
+                                     f"{k}={getattr(cfg, k)}")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         start, best_val = ckpt["iter"], ckpt["best_val_loss"]
@@ -425,6 +428,29 @@ def picture(model, idx, meta, title, path):
     return render_routing(meta, idx[0].tolist(), m, rows, legend, title, path, color=sys.stdout.isatty())
 
 
+def encode_prompt(meta, text):
+    """A prompt -> ids; a character outside the vocabulary is a one-line error."""
+    if meta["dataset"] == "shakespeare":
+        stoi = {c: i for i, c in enumerate(meta["itos"])}
+        bad = sorted(set(text) - set(stoi))
+        if bad:
+            raise NanorouteError(f"the prompt has characters Tiny Shakespeare never uses: {''.join(bad)!r}")
+        return [stoi[c] for c in text]
+    if meta["dataset"] == "shakespeare_bpe":
+        return common.bpe().encode_ordinary(text)
+    if meta["dataset"] == "enwik8":
+        return list(text.encode("utf-8"))
+    names = {"[BOS]": common.BOS, "[SEP]": common.SEP, "[EOS]": common.EOS}
+    try:
+        ids = [names[w] if w in names else int(w) for w in text.split()]
+    except ValueError:
+        raise NanorouteError(f"a {meta['dataset']} prompt is space-separated numbers 0..{common.TASK_VOCAB - 1} "
+                             f"and [BOS]/[SEP]/[EOS], got {text!r}")
+    if not all(0 <= i < meta["vocab_size"] for i in ids):
+        raise NanorouteError(f"prompt ids must be in 0..{meta['vocab_size'] - 1}")
+    return ids
+
+
 def sample(model, val_data, meta, device, n=200):
     model.eval()
     if "record_len" in meta:  # copy/sort: complete a held-out record greedily
@@ -473,7 +499,7 @@ def sample_run(argv):
     model = build(module, cfg).to(device)
     model.load_state_dict(ckpt["model"])
     meta = common.load_meta(cfg.dataset, cfg.data_dir)
-    ids = common.encode(meta, opts["prompt"] or "\n")  # an empty prompt starts from a newline, as nanoGPT's sample.py
+    ids = encode_prompt(meta, opts["prompt"] or "\n")  # an empty prompt starts from a newline, as nanoGPT's sample.py
     if not ids:
         raise NanorouteError(f"--prompt is empty; a {cfg.dataset} prompt needs at least one token (e.g. '[BOS] 3 1')")
     idx = torch.tensor(ids[-cfg.block_size:], dtype=torch.long, device=device)[None]  # (1, T0)
