@@ -12,12 +12,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the model files, not this folder's scripts of the same names
+import bench  # noqa: E402
 import common  # noqa: E402
 import train  # noqa: E402
 
@@ -32,20 +32,6 @@ def contract(model, dev_id):
     last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-200:]
     n = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}
     return n.get("passed", 0), n.get("failed", 0) + n.get("error", 0), n.get("skipped", 0)
-
-
-def timed(fn, device, repeats):
-    """Median seconds of fn over `repeats` calls after 2 warm-up calls."""
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        common.sync(device)
-        t = time.perf_counter()
-        fn()
-        common.sync(device)
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2]
 
 
 def speed(name, device, dtype, repeats):
@@ -70,16 +56,15 @@ def speed(name, device, dtype, repeats):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    ms = 1e3 * timed(step, device, repeats)
+    ms = 1e3 * bench.timeit({"step": step}, device, repeats)["step"]
     if name == "gpt":
         return ms, float("nan"), "-"
     if os.path.exists(os.path.join(run, "ckpt.pt")):  # the optimiser steps above moved the weights: reload
         model.load_state_dict(common.load_checkpoint(os.path.join(run, "ckpt.pt"))["model"])
     model.eval()
     with torch.no_grad(), common.autocast(device, dtype):
-        sparse = timed(lambda: model(x, sparse=True), device, repeats)
-        dense = timed(lambda: model(x), device, repeats)
-    return ms, dense / sparse, routing
+        t = bench.timeit({"sparse": lambda: model(x, sparse=True), "dense": lambda: model(x)}, device, repeats)
+    return ms, t["dense"] / t["sparse"], routing
 
 
 def main():

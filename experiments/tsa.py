@@ -6,11 +6,12 @@ skipped; --dry-run prints the commands); table commands read the runs' records.
   python experiments/tsa.py table results/tsa_small.jsonl     # their tables, from the `eval` records
   python experiments/tsa.py eval RUN... --out F.jsonl         # one record per run: soft/hard losses, α, sparse check
   python experiments/tsa.py proxy --seed S | proxy-table      # --preset paper at a proxy with its tokens per parameter
-  python experiments/tsa.py curve --seeds 1 | curve-table         # the proxy's calibrated phase per exec_share
+  python experiments/tsa.py curve --seeds 1 | curve-table --png F # the proxy's calibrated phase per exec_share
   python experiments/tsa.py dense --dropouts 0.1,0.2 --lrs 3e-4,1e-3  # the dense GPT at the proxy's size and budget
 """
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -70,9 +71,8 @@ def study(a):
 
 
 def budget(a):
-    """results/tsa.md, "At the paper's token budget": P = the paper's 41M tokens and optimiser at 6 × 64, D = the
-    default preset (6 × 192, 4.6M tokens); then a straight-through phase from each TSA run at depth weight λ, and
-    the dense run continued alike (`densecont`, the control for the extra training). One seed per call."""
+    """results/tsa.md, "At the paper's token budget": P (41M tokens at 6 × 64), D (the default preset), then straight-
+    through phases at λ from each TSA run, and the dense run continued alike (densecont, the control)."""
     s, D = a.seed, ["--dataset=shakespeare"]
 
     def ft(name, start, iters, model, *flags):
@@ -97,9 +97,8 @@ def budget(a):
 # the final evaluation of a run, and the tables of `study` and `budget`
 
 def record(run, out, eval_iters, eval_seed=None):
-    """gpt: val loss. TSA: soft val, hard val for both gate variants (01 / scaled), soft α (eq. 6 on the soft pass),
-    hard α (fraction executed), per-router active fractions, max |sparse − eval| logits on one batch and the sparse
-    val loss. Early exit: the threshold sweep. On eval_iters fixed batches (of eval_seed, default the run's seed)."""
+    """gpt: val loss. TSA: soft val, hard val (01 / scaled gates), soft α (eq. 6), hard α, per-router active fractions,
+    max |sparse − eval| logits, sparse val. Early exit: its sweep. On eval_iters fixed batches (seed: eval_seed)."""
     import common
     import torch
     import tsa
@@ -286,10 +285,8 @@ def branch(a, s, name, flags):
 
 
 def proxy(a):
-    """results/tsa.md, "Paper preset, CPU proxy": the paper's soft recipe (soft_sS) and, from its step-708 checkpoint,
-    the last 15% straight-through with the routers trained (train), frozen (frozen), or calibrated to the share
-    their soft gate claims and frozen (calibrate, the preset's), and the control: no hard phase, only the preset's
-    lr restart (softlr_sS)."""
+    """results/tsa.md, "Paper preset, CPU proxy": soft_sS, then from step 708 the last 15% straight-through with the
+    routers trained, frozen, or calibrated (the preset's), and the control softlr_sS (only the lr restart)."""
     for b in a.branches.split(","):
         branch(a, a.seed, f"{'softlr' if b == 'soft' else b}_s{a.seed}", [f"--hard_ft_routers={b}"])
 
@@ -332,19 +329,30 @@ def proxy_table(a):
 
 
 def curve(a):
-    """The proxy's calibrated phase at several executed shares: per seed and share S, the 125-iteration branch with
-    the routers calibrated so that the phase executes a share S of the routed token-layers (tsa.Config.exec_share;
-    0 = calibrate to the soft gates' claim), into share<S>_s<seed>."""
+    """Per seed and share S, the 125-iteration branch with the routers calibrated to execute a share S of the routed
+    token-layers (tsa.Config.exec_share), into share<S>_s<seed>."""
     for s in map(int, a.seeds.split(",")):
         for share in a.shares.split(","):
             branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
 
 
+def dense_runs(root):
+    """The dense runs (dense_do<D>_lr<LR>_sS): setting -> {seed: final val}."""
+    by = {}
+    for d in os.listdir(root):
+        if d.startswith("dense_") and os.path.exists(os.path.join(root, d, "done")):
+            setting, _, seed = d.rpartition("_s")
+            by.setdefault(setting, {})[seed] = evals(os.path.join(root, d))[-1]["val_loss"]
+    return by
+
+
 def curve_table(a):
-    """One row per share (mean ± sd over seeds): hard val, soft val, hard − soft, hard against the paper's soft-only
-    model and against the control (softlr), token-layers skipped, TLOps and forward FLOPs saved (hard)."""
+    """One row per share (mean ± sd over seeds): hard val, soft val, hard against the soft-only model, the control
+    (softlr) and the best dense GPT, token-layers, TLOps and FLOPs saved (hard); --png F draws hard val vs TLOps."""
     root, by = os.path.join(ROOT, a.root), {}
-    refs = references(root)
+    refs, dense = references(root), dense_runs(root)
+    best = min(dense, key=lambda k: compare.mean_sd(list(dense[k].values()))[0]) if dense else None
+    refs["dense"] = dense.get(best, {})
     for d in os.listdir(root):
         kind, _, seed = d.rpartition("_s")
         if kind.startswith("share") and os.path.exists(os.path.join(root, d, "done")):
@@ -355,28 +363,41 @@ def curve_table(a):
         rel = lambda ref: pc([e["val_loss"] / ref[s] - 1 for s, e in runs]) if set(seeds) <= set(ref) else "–"
         rows.append([share, ",".join(sorted(seeds)), mean_sd(v("val_loss")), mean_sd(v("val_soft_loss")),
                      pc([e["val_loss"] / e["val_soft_loss"] - 1 for _, e in runs]), rel(refs["soft"]),
-                     rel(refs["softlr"]), *[pc(v(k), 1) for k in ("val_skipped", "val_tlops_saved_hard",
-                                                                  "val_flops_saved_hard")]])
+                     rel(refs["softlr"]), rel(refs["dense"]), *[pc(v(k), 1) for k in (
+                         "val_skipped", "val_tlops_saved_hard", "val_flops_saved_hard")]])
     print(md_table(rows, ["exec_share", "seeds", "hard val", "soft val", "hard − soft", "vs paper's soft model",
-                          "vs the control (softlr)", "token-layers skipped", "TLOps saved (hard)",
-                          "FLOPs saved (hard)"]))
+                          "vs the control (softlr)", "vs the best dense GPT", "token-layers skipped",
+                          "TLOps saved (hard)", "FLOPs saved (hard)"]))
+    print(md_table([[k, ",".join(sorted(v)), mean_sd(list(v.values()))] for k, v in sorted(dense.items())],
+                   ["dense GPT setting", "seeds", "final val"]) + f"\nbest dense GPT: {best}")
+    if a.png:
+        plot_curve(by, refs, a.png)
+
+
+def plot_curve(by, refs, path):
+    import matplotlib  # optional: only --png needs it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for seed in sorted({s for runs in by.values() for s, _ in runs}):
+        ax.plot(*zip(*sorted((100 * e["val_tlops_saved_hard"], e["val_loss"]) for runs in by.values()
+                             for s, e in runs if s == seed)), "o-", label=f"TSA, hard (sparse inference), seed {seed}")
+    for name, style, label in (("dense", "-", "best dense GPT"), ("softlr", ":", "control (softlr)")):
+        for seed, v in sorted(refs[name].items()):
+            ax.axhline(v, c="k", ls=style, lw=1, label=f"{label}, seed {seed}")
+    ax.set(xlabel="TLOps saved (%)", ylabel="val loss", title="TSA paper preset at the CPU proxy (4 × 128)")
+    ax.legend(fontsize=7)
+    fig.savefig(path + ".tmp.png", dpi=120)
+    os.replace(path + ".tmp.png", path)
 
 
 def dense(a):
     """The dense GPT at the proxy's size and budget (4 × 128, 833 × 64 × 128 tokens, the preset's optimiser; evals as
-    the proxy's) for every dropout × lr (min_lr = lr/10), each seed; prints every setting and the best."""
-    rows = []
-    for do in a.dropouts.split(","):
-        for lr in a.lrs.split(","):
-            runs = [train_run(os.path.join(a.out, f"dense_do{do}_lr{lr}_s{s}"), [
-                *DENSE, f"--dropout={do}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}", f"--seed={s}"],
-                dry=a.dry_run) for s in map(int, a.seeds.split(","))]
-            if not a.dry_run:
-                rows.append([do, lr, mean_sd([evals(d)[-1]["val_loss"] for d in runs])])
-    if rows:
-        best = min(rows, key=lambda r: float(r[2].split()[0]))
-        print(md_table(rows, ["dropout", "lr", "final val (mean ± sd over seeds)"]))
-        print(f"best: dropout {best[0]}, lr {best[1]}")
+    the proxy's) for every dropout × lr (min_lr = lr/10), each seed; curve-table lists them and takes the best."""
+    for do, lr, s in itertools.product(a.dropouts.split(","), a.lrs.split(","), map(int, a.seeds.split(","))):
+        train_run(os.path.join(a.out, f"dense_do{do}_lr{lr}_s{s}"), [*DENSE, f"--dropout={do}", f"--learning_rate={lr}",
+                                                                    f"--min_lr={float(lr) / 10:g}", f"--seed={s}"],
+                  dry=a.dry_run)
 
 
 COMMANDS = {"study": study, "budget": budget, "table": table, "eval": None, "proxy": proxy, "proxy-table": proxy_table,
@@ -398,6 +419,7 @@ def main():
     p.add_argument("--lrs", default="3e-4,1e-3", help="dense")
     p.add_argument("--eval_iters", type=int, default=30, help="eval")
     p.add_argument("--eval_seed", type=int, help="eval: another seed's fixed val batches (default the run's)")
+    p.add_argument("--png", help="curve-table: also draw the curve into this PNG (needs matplotlib)")
     a = p.parse_args()
     a.out = a.out or {"study": "out/tsa", "budget": "out/tsa_budget"}.get(a.cmd, "out/tsa_proxy")
     a.records = a.root = a.paths[0] if a.paths else "out/tsa_proxy"
