@@ -11,12 +11,10 @@ updates of every block after the stem.
     (6)  α = 1/(L−1) Σ_l mean(1 − p_l)                       (the mean active fraction)
     (7)  Δ = 1 − (1 + (L−1) α) / L                             (TLOps saved, common.tlops_saving)
 
-Inference (§3.6): a token with p_l > 0.5 halts at block l+1 (for that block only; the next router decides
-again). eval() applies these hard decisions densely (the reference); `sparse=True` really skips the work and
-gives the same logits. A halted token skips the FFN and its query, attention and output projection; it still
-computes its K/V, because active tokens attend to every earlier token in every layer. Cached decoding
-(prefill/step) keeps these semantics: every layer's cache holds every token's K/V, and a layer where every
-row of the batch halts (at B=1: where the token halts) runs only K/V.
+Inference (§3.6): a token with p_l > 0.5 halts at block l+1 (that block only). eval() applies these hard
+decisions densely (the reference); `sparse=True` skips the work, same logits: a halted token skips the FFN,
+attention and output projection, but its K/V run (later tokens attend to it). Cached decoding keeps this: every
+cache holds every token's K/V; a layer where every row halts runs only Q/K/V.
 
 Deviations from the paper, one line each (Config fields; why, and what each measured: results/tsa.md):
   * hard_ft_iters: the last iterations train with straight-through hard gates (forward: eval's; gradient: 1 − p's).
@@ -25,7 +23,7 @@ Deviations from the paper, one line each (Config fields; why, and what each meas
   * exec_share=S ("calibrate" only): a share S runs instead, so TLOps saved = (L−1)(1−S)/L, whatever λ did.
   * hard_ft_lr > 0: the phase's lr restarts there and falls by a cosine to min_lr (the schedule's tail is too low).
   * hard_variant="scaled": an active token keeps its soft scale 1 − p at inference (paper: "01", the full update).
-  * skip_queries=True: halted tokens also skip Q / attention / out-projection (paper: dense attention).
+  * skip_queries=True: halted tokens also skip attention / out-projection; Q/K/V stay one GEMM (paper: dense attention).
   * stats report the hard decisions inference executes; eval's soft_loss / soft_alpha come from a soft pass.
   * the router runs in fp32 under autocast (the numerics policy's fp32 decisions, also for its matmuls).
   * `--preset paper`: lr 3e-4 → 3e-5, dropout 0.1 and no warm-up from the authors' code (the paper states none).
@@ -52,7 +50,7 @@ class Config(common.Config):
     lam: float = 1e-3               # λ of eq. (5)
     router_bias: float = -1.0       # b2 init: σ(−1) ≈ 0.27, so routers start mostly open (§2.2)
     hard_variant: str = "scaled"    # eval gate of an active token: "01" (paper: 1) or "scaled" (1 − p)
-    skip_queries: bool = True       # sparse path: halted tokens also skip Q / attention / out-proj
+    skip_queries: bool = True       # sparse path: halted tokens also skip attention / out-proj
     eval_soft: bool = True          # eval also runs the soft pass (soft_loss next to the hard loss)
     hard_ft_iters: int = 250        # the last iterations train with straight-through hard gates (all if > max_iters)
     hard_ft_routers: str = "train"  # ... in which the routers "train", stay "frozen", "calibrate" or "soft" (docstring)
@@ -90,17 +88,14 @@ class Config(common.Config):
 
 
 PRESETS = {
-    # The paper's Shakespeare setup (§3.2): d=256, L=6, H=8, d_ff=1024, ctx 128, batch 64, 5000 steps, AdamW
-    # β=(0.9, 0.95), wd 0.1, cosine; its sparse-TSA (§3.6: "01" gates, dense attention), soft training only.
-    # lr, min_lr, dropout and warm-up: the authors' code. Ours: the last 750 iterations straight-through with
-    # calibrated, frozen routers and the lr restarted at its peak (results/tsa.md); --hard_ft_iters=0 is the
-    # paper's recipe.
+    # The paper's Shakespeare setup (§3.2) and sparse-TSA (§3.6: "01" gates, dense attention); lr, dropout and
+    # warm-up from the authors' code. Ours adds the last 750 iterations straight-through with calibrated, frozen
+    # routers and the lr restarted (results/tsa.md); --hard_ft_iters=0 is the paper's soft-only recipe.
     "paper": dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
                   learning_rate=3e-4, min_lr=3e-5, warmup_iters=0, beta2=0.95, weight_decay=0.1, dropout=0.1,
                   eval_interval=250, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=750,
                   hard_ft_routers="calibrate", hard_ft_lr=3e-4),
-    # ≤ 3 minutes on a 2-core CPU; the last 300 iterations straight-through so the hard routing a student
-    # sees (routing_map) is the one the model was trained for.
+    # ≤ 3 minutes on a 2-core CPU; the last 300 iterations straight-through (the routing a student sees is trained)
     "classroom": dict(common.CLASSROOM, hard_ft_iters=300),
 }
 
@@ -132,22 +127,8 @@ class Router(nn.Module):
 # Block pieces: TSA reuses common.Block; the sparse path runs parts of it on subsets of tokens
 
 def gated(x, g, delta):
-    """Eqs. (3)–(4): x + g ⊙ delta; g None is the "01" gate, 1. fp32 x + bf16 delta promotes (no cast op)."""
-    return x + delta if g is None else x + g * delta
-
-
-def matmul_dtype(x):
-    """The dtype autocast runs matmuls in on x's device (x's own dtype without autocast)."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
-def split_c_attn(attn, dtype):
-    """c_attn's weight (and bias) cast once to dtype, split into the query third and the key/value thirds:
-    (w_q, b_q), (w_kv, b_kv). Halted tokens need only K/V. (Autocast would cast each third on every call.)"""
-    C, w, b = attn.c_attn.in_features, attn.c_attn.weight.to(dtype), attn.c_attn.bias
-    b = None if b is None else b.to(dtype)
-    return (w[:C], None if b is None else b[:C]), (w[C:], None if b is None else b[C:])
+    """Eqs. (3)–(4): x + g ⊙ delta in one op; g None is the "01" gate, 1. fp32 x + bf16 delta promotes (no cast)."""
+    return x + delta if g is None else torch.addcmul(x, g, delta)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -388,12 +369,10 @@ def hard_stats(cfg, hard, T):
 # Sparse inference (§3.6): the numbers of the eval forward, with the work of halted tokens skipped
 
 def sparse_trunk(model, x, caches=None):
-    """Same numbers as model.trunk(x, "hard"), but per routed block the active tokens' state is gathered into N
-    rows; their queries, out-projection and FFN run on those rows only, and one index_copy writes them back (a
-    halted token's state does not change inside the block). K/V come from ln_1(x) of every token, as in the
-    dense forward. One host sync per routed block (N sets the shapes). With caches (a list), every layer's K/V
-    of every token is stored in it (prefill). Returns the final state, the L−1 router outputs and the (L−1,)
-    shares of tokens that ran each routed block."""
+    """Same numbers as model.trunk(x, "hard"), but per routed block the N active tokens' state is gathered; their
+    out-projection and FFN run on those rows only, and one index_copy writes them back. One host sync per routed
+    block (N sets the shapes). caches (a list): every layer's K/V is stored in it (prefill). Returns the final
+    state, the L−1 router outputs and the (L−1,) shares of tokens that ran each routed block."""
     B, T, C = x.shape
     cfg = model.cfg
     if caches is None:
@@ -409,10 +388,8 @@ def sparse_trunk(model, x, caches=None):
         ps.append(p)
         ran.append(N / (B * T))
         attn = block.attn
-        if cfg.skip_queries or caches is not None:
-            h = block.ln_1(x).to(matmul_dtype(x))                          # (B, T, C), cast once for K/V and Q
-            (w_q, b_q), (w_kv, b_kv) = split_c_attn(attn, h.dtype)
-            k, v = (attn.split_heads(t) for t in F.linear(h, w_kv, b_kv).split(C, -1))  # 2 × (B, nh, T, hs)
+        if cfg.skip_queries or caches is not None:  # Q, K, V of every token: one GEMM (later queries see K/V)
+            q, k, v = attn.qkv(block.ln_1(x))                              # 3 × (B, nh, T, hs)
             if caches is not None:
                 caches.append(common.KVCache(B, cfg.block_size, k, v))
         if N == 0:  # every token halts: nothing else to run
@@ -420,15 +397,10 @@ def sparse_trunk(model, x, caches=None):
         ga = None if cfg.hard_variant == "01" else (1.0 - p).view(B * T, 1).index_select(0, idx)  # (N, 1)
         xa = x.view(B * T, C).index_select(0, idx)                         # (N, C) the active tokens' state
         if cfg.skip_queries or caches is not None:
-            q = F.linear(h.view(B * T, C).index_select(0, idx), w_q, b_q)  # (N, C) active queries only
-            # The attention kernel runs on all T query slots; a halted token's slot keeps its ln_1 output (q is
-            # written over h, no longer needed) as a query whose output is discarded. Packing the active queries
-            # per row instead would make the query length change with the routing (on CUDA, SDPA then picks cuDNN
-            # attention, which sets itself up anew for every new length) and cost 6 more ops per block (sort,
-            # slots, zeros, a position mask) than this one fixed-shape causal call. The FLOPs accounting counts
-            # the active queries' scores (the algorithm's); the kernel's work on the other slots is padding.
-            q = h.view(B * T, C).index_copy_(0, idx, q).view(B, T, C)     # (B, T, C)
-            y = attn.attend(attn.split_heads(q), k, v).view(B * T, C).index_select(0, idx)  # (N, C)
+            # Attention runs on all T query slots and the halted tokens' outputs are dropped: packing the active
+            # queries per row would make the query length change with the routing (on CUDA, SDPA then picks cuDNN
+            # attention, which sets itself up anew for every length) and cost more ops than one fixed-shape call.
+            y = attn.attend(q, k, v).view(B * T, C).index_select(0, idx)  # (N, C)
             xa = gated(xa, ga, attn.c_proj(y))
         else:  # the paper's sparse-TSA: dense attention, its residual gated by the same binary mask
             xa = gated(xa, ga, block.attn_delta(x).view(B * T, C).index_select(0, idx))
@@ -444,13 +416,11 @@ def decode_block(model, block, cache, x, pos, mask, p):
     """One routed block of a decode step: x (B, 1, C), p (B, 1, 1). Every row writes its K/V at pos; the rest of
     the block runs unless every row halts. That decision is taken on the host (one sync per layer), so a
     compiled step captures two variants of a layer (K/V only; the whole block) and replays them once seen."""
-    attn, h = block.attn, block.ln_1(x)                                    # (B, 1, C)
-    if p.min().item() > 0.5:  # every row halts: K/V only, no q / attention / c_proj / FFN
-        w_kv, b_kv = split_c_attn(attn, matmul_dtype(h))[1]
-        cache.append(pos, *(attn.split_heads(t) for t in F.linear(h, w_kv, b_kv).split(h.size(-1), -1)))
-        return x
-    q, k, v = attn.qkv(h)                                                  # 3 × (B, nh, 1, hs)
+    attn = block.attn
+    q, k, v = attn.qkv(block.ln_1(x))                                      # 3 × (B, nh, 1, hs)
     k, v = cache.append(pos, k, v)                                         # (B, nh, S, hs)
+    if p.min().item() > 0.5:  # every row halts: its K/V only, no attention / c_proj / FFN
+        return x
     y = attn.attend(q, k, v, attn_mask=mask)                               # (B, 1, C)
     # B > 1: the eval gate (0 for halted rows); B = 1: the token is active, its gate is 1 ("01") or 1 − p
     g = model.gate(p, "hard") if x.size(0) > 1 else None if model.cfg.hard_variant == "01" else 1.0 - p
@@ -468,18 +438,19 @@ def flops_router(d):
 
 def flops_per_token(cfg, T, alpha=1.0, mode="dense"):
     """mode: dense (the plain GPT), soft (every block runs + routers), ffn (paper's sparse-TSA: halted
-    tokens skip the FFN), query (ours: halted tokens also skip Q, attention and c_proj; K/V still run),
-    exit (early exit: like query, with an exit head instead of a router). α = active fraction."""
+    tokens skip the FFN), query (ours: halted tokens also skip attention and c_proj; Q/K/V still run, one GEMM),
+    exit (early exit: halted tokens skip Q/K/V too, an exit head instead of a router). α = active fraction."""
     d, L = cfg.n_embd, cfg.n_layer
     if mode == "dense":
         return common.dense_flops_per_token(cfg, T)
     q = common.flops_qkv(d) / 3
     kv = 2 * q  # K and V: every token, also a halted one (later queries attend to it)
     per_query = q + common.flops_attn_out(d) + common.flops_attn_scores(d, common.mean_context(T))
+    # query: a halted token's Q runs in the Q/K/V GEMM of every token (one launch; its output is unused)
     ffn = common.flops_ffn(d, 4 * d)
     head = common.flops_lm_head(d, cfg.vocab_size)
     routed = {"soft": kv + per_query + ffn, "ffn": kv + per_query + alpha * ffn,
-              "query": kv + alpha * (per_query + ffn), "exit": kv + alpha * (per_query + ffn)}[mode]
+              "query": kv + q + alpha * (per_query - q + ffn), "exit": kv + alpha * (per_query + ffn)}[mode]
     decide = head * (1 + (L - 2) * alpha) / (L - 1) if mode == "exit" else flops_router(d)  # per routed block
     return kv + per_query + ffn + (L - 1) * (routed + decide) + head
 
