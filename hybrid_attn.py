@@ -256,13 +256,13 @@ class GatedDeltaNet(nn.Module):
             gdn_decode_cache(self, cache, S, p, h.dtype)
         return o
 
-    def read(self, o, gate):
-        """o (B, H, n, V) fp32 = Sᵀq and gate (B, n, H·V) = W_g x of n tokens -> (B, n, C). q was not scaled
-        by K^−½ in write(): RMSNorm(o·K^−½, ε) = RMSNorm(o, K·ε), so the scale costs no op."""
-        B, H, n, V = o.shape
-        o = F.rms_norm(o, (V,), self.norm_weight.to(o.dtype), eps=1e-6 * self.K)          # per head
-        o = F.silu(gate).view(B, n, H, V) * o.transpose(1, 2)      # the gate first: the product keeps its layout
-        return self.drop(self.c_proj(o.flatten(2)))
+    def read(self, o, gate, token_major=False):
+        """o (B, H, n, V) fp32 = Sᵀq and gate (B, n, H·V) = W_g x of n tokens -> (B, n, C); token_major: gate
+        (n, B, H·V) -> (n, B, C). q was not scaled by K^−½ in write(): RMSNorm(o·K^−½, ε) = RMSNorm(o, K·ε)."""
+        o = F.rms_norm(o, (self.V,), self.norm_weight.to(o.dtype), eps=1e-6 * self.K)     # per head
+        o = o.permute(2, 0, 1, 3) if token_major else o.transpose(1, 2)            # (n, B, H, V) | (B, n, H, V)
+        o = F.silu(gate).unflatten(-1, (self.H, self.V)) * o  # the gate first: the product takes its layout
+        return self.drop(self.c_proj(o.flatten(-2)))
 
     def forward(self, h, cache=None):
         return self.read(self.write(h, cache), self.g_proj(h))
@@ -508,14 +508,16 @@ def sparse_mix(layer, h, plan, cache=None):
     order, dump, n_gdn, n_soft, causal = plan
     B, T, C = h.shape
     gdn, attn = layer.gdn, layer.attn
-    hs = h.gather(1, order[..., None].expand(-1, -1, C))                           # (B, T, C) GDN tokens first
-    mix = h.new_zeros(B, T + 1, C)                                                 # row T: the dump
+    # token-major (T, B, ·): each kind's slots are contiguous rows, which a GEMM takes without a copy
+    hs = h.transpose(0, 1).gather(0, order.T[..., None].expand(-1, -1, C))         # (T, B, C) GDN tokens first
+    mix = h.new_zeros(T + 1, B, C)                                                 # row T: the dump
     if n_gdn or cache is not None:
         o = gdn.write(h, cache)                                                    # (B, H, T, V) every token
     if n_gdn:  # first: its padding slots hold softmax tokens, which the softmax read overwrites
-        rows = order[:, :n_gdn]
+        rows = order[:, :n_gdn]                                                    # (B, n_gdn)
         o = o.gather(2, rows[:, None, :, None].expand(-1, gdn.H, -1, gdn.V))       # (B, H, n_gdn, V)
-        mix.scatter_(1, rows[..., None].expand(-1, -1, C), gdn.read(o, gdn.g_proj(hs[:, :n_gdn])))
+        out = gdn.read(o, gdn.g_proj(hs[:n_gdn]), token_major=True)                # (n_gdn, B, C)
+        mix.scatter_(0, rows.T[..., None].expand(-1, -1, C), out)
     w, b = attn.c_attn.weight.detach().to(h.dtype), attn.c_attn.bias                # one cast for Q and K, V
     if n_soft or cache is not None:
         kv = F.linear(h, w[C:], None if b is None else b[C:])
@@ -523,14 +525,15 @@ def sparse_mix(layer, h, plan, cache=None):
         if cache is not None:
             cache["kv"] = common.KVCache(B, cache["block_size"], k, v)
     if n_soft:
-        q = attn.split_heads(F.linear(hs[:, T - n_soft:], w[:C], None if b is None else b[:C]))  # (B, nh, n, hs)
+        q = F.linear(hs[T - n_soft:], w[:C], None if b is None else b[:C])         # (n_soft, B, C)
+        q = attn.split_heads(q.transpose(0, 1))                                    # (B, nh, n_soft, hs)
         mask = causal[order[:, T - n_soft:]][:, None]                              # (B, 1, n_soft, T)
         # n_soft changes with the routing: on CUDA, cuDNN attention would set itself up anew for every new
         # length (DTRNet's bf16 step: 14x slower); flash / efficient / math take any length as it comes
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            out = attn.c_proj(attn.attend(q, k, v, attn_mask=mask))                # (B, n_soft, C)
-        mix.scatter_(1, dump[:, T - n_soft:, None].expand(-1, -1, C), out)
-    return mix[:, :T]
+            y = attn.attend(q, k, v, attn_mask=mask).transpose(0, 1)               # (n_soft, B, C), q's layout
+        mix.scatter_(0, dump[:, T - n_soft:].T[..., None].expand(-1, -1, C), attn.c_proj(y))
+    return mix[:T].transpose(0, 1)                                                 # (B, T, C) view
 
 
 # ----------------------------------------------------------------------------------------------------

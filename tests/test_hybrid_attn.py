@@ -421,7 +421,7 @@ def test_sparse_really_skips_and_equals_dense_forced(monkeypatch):
     monkeypatch.setattr(common.CausalSelfAttention, "attend",
                         lambda self, q, k, v, **kw: queries.append(q.size(2)) or orig(self, q, k, v, **kw))
     for i in (1, 2):
-        m.blocks[i].gdn.c_proj.register_forward_hook(lambda mod, inp, out: gdn_reads.append(inp[0].size(1)))
+        m.blocks[i].gdn.c_proj.register_forward_hook(lambda mod, inp, out: gdn_reads.append(inp[0].shape[:-1].numel() // 3))
     with torch.no_grad():
         dense, _, _ = m(x)
         queries.clear(), gdn_reads.clear()
