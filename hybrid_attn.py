@@ -13,13 +13,14 @@ one per token). Paper §2.1: `G R R S`. Every layer is pre-norm mixer + pre-norm
         S_t = e^{g_t}·S_{t−1};   u_t = β_t·(v_t − S_tᵀ k_t);   S_t ← S_t + k_t u_tᵀ;   o_t = S_tᵀ q_t
     GDN layer: q,k,v = SiLU(causal depthwise conv₄(W_{q,k,v} x)); q,k L2-normalised, q scaled by K^−½;
         β = σ(W_b x);  g = −exp(A_log)·softplus(W_a x + dt_bias);  y = W_o(RMSNorm_head(o) ⊙ SiLU(W_g x))
-    chunkwise form (WY / UT transform; chunks of C tokens, S₀ the state entering one, L_ij = Σ_{j<s≤i} g_s
-    summed from j+1, never as a difference of two large cumulative sums, Γ_i = L_{i,−1} the decay since its start):
+    chunkwise form (WY / UT transform; chunks of C tokens, S₀ the state entering one, L_ij = Σ_{j<s≤i} g_s,
+    Γ_i = L_{i,−1} the decay since the chunk's start):
         (I + A) [W U₀] = [diag(β e^Γ) K, diag(β) V],   A_ij = β_i e^{L_ij} k_i·k_j  (i > j)
         O = (diag(e^Γ) Q − (QKᵀ ⊙ M) W) S₀ + (QKᵀ ⊙ M) U₀,   M_ij = e^{L_ij} (i ≥ j), 0 above
         next S₀ = P S₀ + R,   P = e^{Γ_C} I − Kᵀ diag(e^{L_{C,·}}) W,   R = Kᵀ diag(e^{L_{C,·}}) U₀
-The state math runs in fp32 (fp64 for fp64 inputs) with autocast off. On CUDA under autocast, fla's Triton
-kernel (pip install fla-core) replaces the chunked form when it is installed (use_fla=false: never).
+The state math runs in fp32 with autocast off; on CUDA, fla's Triton kernel (pip install fla-core) when installed.
+Sparse inference (sparse=True, prefill, step): every token of a routed layer writes the GDN state and the
+softmax K/V; a GDN token then reads through RMSNorm, W_g and W_o, a softmax token through Q, scores and W_o.
 
 Deviations from the paper, one line each (what they cost: results/hybrid.md):
   * no τ schedule is given: ours is geometric, tau_start 1.0 → tau_end 0.5 at max_iters.
@@ -28,14 +29,6 @@ Deviations from the paper, one line each (what they cost: results/hybrid.md):
   * a route picks how a token READS: the GDN state and the softmax K/V hold every token (our reading).
   * the router runs in fp32 with autocast off: its decisions do not depend on the matmul dtype.
   * learned positions and common.py's GELU MLP around both mixers (the paper does not say).
-
-What inference (sparse=True, prefill, step) computes in a routed layer, exactly equal to the above:
-    every token    GDN write: W_{q,k,v} x (q too: the conv mixes it into the next 3 tokens' queries), conv, β, g,
-                   the state update (the chunked form also reads Sᵀq for all); softmax K, V (cache)
-    GDN token      + RMSNorm, the SiLU gate W_g x, W_o                    (skips softmax Q, scores, W_o)
-    softmax token  + Q, scores over every earlier token, W_o              (skips GDN's gate, norm, W_o)
-sparse=True: one host sync per forward (every routed layer's gather sizes). step(): eager, one sync per token
-finds the reads any row needs (B=1: exactly one); compiled, both reads and a select, no sync.
 """
 import functools
 import math
@@ -48,9 +41,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import common
 from common import NanorouteError
-
-KINDS = {"G": "Gated DeltaNet", "R": "routed", "S": "softmax attention"}
-
 
 @dataclass
 class Config(common.Config):
@@ -71,7 +61,7 @@ class Config(common.Config):
         letters = self.pattern.split() if " " in self.pattern.strip() else list(self.pattern.strip())
         if len(letters) != self.n_layer:
             raise NanorouteError(f"pattern {self.pattern!r} has {len(letters)} layers but n_layer={self.n_layer}")
-        bad = [c for c in letters if c not in KINDS]
+        bad = [c for c in letters if c not in "GRS"]
         if bad:
             raise NanorouteError(f"pattern {self.pattern!r}: unknown layer {bad[0]!r}; use G (GDN), R (routed), S (softmax)")
         if letters[0] == "R":
@@ -113,8 +103,7 @@ def one_hot_argmax(z):
 
 
 def matmul_dtype(x):
-    """The dtype autocast runs x's matmuls in (x's own without autocast). A normed input cast to it once
-    spares every F.linear of it its own cast."""
+    """The dtype autocast runs x's matmuls in: a normed input cast once spares each F.linear of it a cast."""
     dev = x.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
@@ -123,8 +112,7 @@ def matmul_dtype(x):
 # Blocks: the gated delta rule (step-by-step reference, chunkwise form, fla), the GDN mixer, the layer
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=None):
-    """q, k: (B, H, T, K); v: (B, H, T, V); g, beta: (B, H, T). Returns o (B, H, T, V), state (B, H, K, V),
-    both fp32 (fp64 for fp64 inputs) whatever the input dtype or autocast."""
+    """q, k: (B, H, T, K); v: (B, H, T, V); g, beta: (B, H, T) -> o (B, H, T, V), state (B, H, K, V) in fp32."""
     B, H, T, K = q.shape
     dt = torch.promote_types(q.dtype, torch.float32)
     with torch.autocast(q.device.type, enabled=False):  # autocast would run the einsums in bf16
@@ -141,15 +129,13 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=None):
 
 @functools.lru_cache(maxsize=None)
 def chunk_masks(C, device):
-    """(C, C+1) bool, made once per chunk size and device. Column j+1 is key j, column 0 the chunk's start:
-    `incl` (g_s counts in L_ij for s > j) and `future` (above M's diagonal, masked before exp)."""
+    """(C, C+1) bool: `incl` (g_s counts in L_ij, column j+1 = key j, 0 = the chunk's start) and `future`."""
     ones = torch.ones(C, C + 1, dtype=torch.bool, device=device)
     return ones.tril(), ones.triu(2)
 
 
 def gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=True):
-    """Same contract as gated_delta_rule_recurrent (the state is None unless output_final_state). All within a
-    chunk is batched over every chunk; the sequential loop carries only the state, one kernel per chunk."""
+    """gated_delta_rule_recurrent's contract, every chunk at once; the loop carries only the state S₀."""
     B, H, T, K = q.shape
     V, C = v.size(-1), chunk_size
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -194,10 +180,8 @@ except Exception:  # not installed, or no Triton here
 
 
 def gated_delta_rule_fla(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=True):
-    """The same contract through fla's chunk_gated_delta_rule (fla-core 0.6). It takes and returns (B, T, H, ·)
-    where we have (B, H, T, ·): transposed at both ends; g is a natural-log decay and the state (B, H, K, V) in
-    both; scale=1 as o = Sᵀq takes q as given. q, k, v, β run in one 16-bit dtype (fp32 goes in as bf16);
-    its own chunk size does not change the result."""
+    """The same contract through fla's chunk_gated_delta_rule (fla-core 0.6): (B, T, H, ·) there, q, k, v, β in
+    one 16-bit dtype, scale=1 (o = Sᵀq takes q as given); its own chunk size does not change the result."""
     dt = v.dtype if v.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     qf, kf, vf = (t.transpose(1, 2).to(dt) for t in (q, k, v))                     # (B, T, H, K|V)
     o, S = _fla_chunk(qf, kf, vf, g.transpose(1, 2).float(), beta.transpose(1, 2).to(dt), scale=1.0,
@@ -207,8 +191,7 @@ def gated_delta_rule_fla(q, k, v, g, beta, chunk_size=64, initial_state=None, ou
 
 
 class GatedDeltaNet(nn.Module):
-    """The GDN token mixer. write(h): the recurrence over every token, o = Sᵀq for all; read(o, gate): the
-    output (norm, gate, W_o) of the tokens given; step(h, cache) decodes one token."""
+    """The GDN mixer: write(h) runs the recurrence over every token, read(o, gate) the output of some."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -269,8 +252,7 @@ class GatedDeltaNet(nn.Module):
 
     @torch.no_grad()
     def step(self, h, cache, read=True):
-        """One token h (B, 1, C): every projection in one matmul (the weights gdn_decode_cache joined), the conv
-        and the state updated in place, the output only if read (a softmax token writes and reads nothing)."""
+        """One token h (B, 1, C): one matmul for every projection, conv and state updated in place; read or not."""
         B, H, K, V = h.size(0), self.H, self.K, self.V
         y = F.linear(h[:, 0].to(cache["w"].dtype), cache["w"])                      # (B, ch + 2H + HV)
         p, a, b, gate = y.split([H * (2 * K + V), H, H, H * V], -1)
@@ -316,8 +298,7 @@ class Layer(nn.Module):
         self.mlp = common.MLP(cfg)
 
     def forward(self, x, y=None, cache=None, plan=None):
-        """y: (B, T, 2) routing weights [GDN, softmax] for kind R. cache: dict to fill (prefill). plan: this
-        layer's part of sparse_plan(), each mixer's output only for its own tokens (eval)."""
+        """y (B, T, 2): kind R's weights [GDN, softmax]; cache: a dict prefill fills; plan: sparse_plan()'s."""
         h = self.ln_1(x)
         h = h.to(matmul_dtype(h))
         if self.kind == "G":
@@ -332,8 +313,7 @@ class Layer(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
     def step(self, x, cache, pos, mask, soft=None, reads=(True, True)):
-        """One token (B, 1, C) at position pos; mask = common.past_mask. soft: (B, 1) bool decision for kind R;
-        reads: (run GDN's read, run softmax's); both caches are always written."""
+        """One token (B, 1, C) at position pos; soft (B, 1): kind R's decision; reads: which outputs to run."""
         h = self.ln_1(x)
         h = h.to(matmul_dtype(h))
         if self.kind == "G":
