@@ -339,7 +339,8 @@ def train_py(argv, log):
 
 def train_run(out_dir, flags, after=None, dry=False):
     """python train.py FLAGS --out_dir=OUT_DIR (output to OUT_DIR.log), then after(out_dir), then a `done` file.
-    A run whose `done` exists is skipped, so rerunning a study continues where it stopped. dry: print only."""
+    A run whose `done` exists is skipped and one with a checkpoint resumes, so rerunning a study continues where
+    it stopped. dry: print only."""
     path = os.path.join(ROOT, out_dir)
     if os.path.exists(os.path.join(path, "done")):
         print(f"skip {out_dir}")
@@ -347,7 +348,8 @@ def train_run(out_dir, flags, after=None, dry=False):
         print("python train.py " + shlex.join([*flags, f"--out_dir={out_dir}"]))
     else:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        train_py([*flags, f"--out_dir={out_dir}"], path + ".log")
+        resume = ["--resume"] if os.path.exists(os.path.join(path, "ckpt.pt")) and "--resume" not in flags else []
+        train_py([*flags, f"--out_dir={out_dir}", *resume], path + ".log")
         if after:
             after(path)
         open(os.path.join(path, "done"), "w").close()

@@ -248,7 +248,7 @@ def table(a):
 
 def snapshot(a, s):
     """The paper's soft recipe to N iterations (soft_sS); its checkpoint at step AT is copied to snap708_sS as soon as
-    it is written (the next one comes 125 iterations later). Reused when both exist."""
+    it is written (the next one comes 125 iterations later). Reused when both exist; resumed from an earlier one."""
     base, snap = os.path.join(ROOT, a.out, f"soft_s{s}"), os.path.join(ROOT, a.out, f"snap{AT}_s{s}")
     flags = [*PROXY, f"--seed={s}", SOFT, f"--out_dir={a.out}/soft_s{s}"]
     if a.dry_run:
@@ -257,9 +257,11 @@ def snapshot(a, s):
         return
     import common
     os.makedirs(base, exist_ok=True)
+    ckpt = os.path.join(base, "ckpt.pt")
+    if os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] < AT:
+        flags.append("--resume")
     with open(base + ".log", "a") as log:
         p = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    ckpt = os.path.join(base, "ckpt.pt")
     while not (os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] >= AT):  # written atomically
         if p.poll() not in (None, 0):
             raise SystemExit(f"soft_s{s} failed: see {base}.log")
