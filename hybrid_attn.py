@@ -58,7 +58,7 @@ class Config(common.Config):
 
     def __post_init__(self):
         super().__post_init__()
-        letters = self.pattern.split() if " " in self.pattern.strip() else list(self.pattern.strip())
+        letters = self.kinds                                                        # spaces are ignored
         if len(letters) != self.n_layer:
             raise NanorouteError(f"pattern {self.pattern!r} has {len(letters)} layers but n_layer={self.n_layer}")
         bad = [c for c in letters if c not in "GRS"]
@@ -83,8 +83,6 @@ class Config(common.Config):
         return self.gdn_head_dim or self.n_embd // self.n_head
 
 
-# The paper: ~160M parameters, 4 layers, 200 steps, α = 0.01. Width, heads and lr are not given: n_embd 1280
-# gives 160M with a 49k (SmolLM) vocabulary; on Shakespeare chars the same preset is ~97M.
 PRESETS = {"paper": {"n_layer": 4, "n_head": 10, "n_embd": 1280, "pattern": "G R R S", "balance": 0.01,
                      "max_iters": 200, "warmup_iters": 20, "learning_rate": 6e-4, "block_size": 256},
            "classroom": dict(common.CLASSROOM, pattern="G R R S", balance=0.01, max_iters=700, eval_interval=350)}
@@ -231,7 +229,6 @@ class GatedDeltaNet(nn.Module):
         v = z[:, 2 * H * K:].unflatten(1, (H, V)).mT                                # (B, H, T, V)
         beta = torch.sigmoid(self.b_proj(h).to(f32)).mT                             # (B, H, T)
         g = (-self.A_log.exp() * F.softplus(self.a_proj(h) + self.dt_bias)).mT     # (B, H, T); bf16 + fp32 → fp32
-        # fla's kernel where it runs (CUDA, 16-bit values under autocast); the readable reference elsewhere
         fast = self.use_fla and _fla_chunk is not None and v.is_cuda and v.dtype in (torch.float16, torch.bfloat16)
         rule = gated_delta_rule_fla if fast else gated_delta_rule_chunked
         o, S = rule(q, k, v, g, beta, chunk_size=self.chunk, output_final_state=cache is not None)
@@ -297,8 +294,8 @@ class Layer(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = common.MLP(cfg)
 
-    def forward(self, x, y=None, cache=None, plan=None):
-        """y (B, T, 2): kind R's weights [GDN, softmax]; cache: a dict prefill fills; plan: sparse_plan()'s."""
+    def forward(self, x, cache=None, y=None, plan=None):
+        """cache: a dict prefill fills; y (B, T, 2): kind R's weights [GDN, softmax]; plan: sparse_plan()'s."""
         h = self.ln_1(x)
         h = h.to(matmul_dtype(h))
         if self.kind == "G":
@@ -342,9 +339,8 @@ class Model(common.LM):
         self.register_buffer("tau", torch.tensor(cfg.tau_start), persistent=False)
         self.forced_route = None  # (B, T, n_routed) bool, True = softmax: benchmarks/tests force decisions
         self.init_weights()
-        for layer in self.blocks:
-            if hasattr(layer, "gdn"):
-                layer.gdn.reset_gdn_parameters()
+        for gdn in [layer.gdn for layer in self.blocks if hasattr(layer, "gdn")]:
+            gdn.reset_gdn_parameters()
 
     def on_step(self, it):
         """Anneal τ geometrically from tau_start (step 0) to tau_end (max_iters)."""
@@ -360,12 +356,9 @@ class Model(common.LM):
         """h0: layer-0 output (B, T, C) -> weights y (B, T, nR, 2) [GDN, softmax], probs, hard (fp32)."""
         z = self.logits(h0)
         probs = z.softmax(-1)
-        if self.forced_route is not None:
-            f = self.forced_route[:, :h0.size(1)]
-            hard = torch.stack([~f, f], -1).to(z)
-            return hard, probs, hard
-        if not self.training:
-            hard = one_hot_argmax(z)                                                # eval: argmax, no noise
+        f = self.forced_route
+        if f is not None or not self.training:                                     # forced, or eval: argmax, no noise
+            hard = one_hot_argmax(z) if f is None else torch.stack([~f, f], -1)[:, :h0.size(1)].to(z)
             return hard, probs, hard
         soft = ((z + gumbel_like(z)) / self.tau).softmax(-1)                       # p_τ
         hard = one_hot_argmax(soft)
@@ -376,18 +369,15 @@ class Model(common.LM):
         if (sparse or caches is not None) and self.training:
             raise NanorouteError("sparse=True is the inference path: call model.eval() first")
         B, T = idx.shape
-        x = self.blocks[0](self.embed(idx), cache=None if caches is None else caches[0])  # (B, T, C)
+        cs = [None] * len(self.blocks) if caches is None else caches
+        x = self.blocks[0](self.embed(idx), cs[0])                                  # (B, T, C)
+        routes = {}                                                                # routed layer i: (y_i, plan_i)
         if self.routed:
             y, probs, hard = self.route(x)                                          # (B, T, nR, 2)
             plans = sparse_plan(hard, matmul_dtype(x)) if sparse else [None] * len(self.routed)
-        r = 0
+            routes = {i: (y[:, :, r], plans[r]) for r, i in enumerate(self.routed)}
         for i, layer in enumerate(self.blocks[1:], start=1):
-            cache = None if caches is None else caches[i]
-            if layer.kind == "R":
-                x = layer(x, y[:, :, r], cache, plans[r])
-                r += 1
-            else:
-                x = layer(x, cache=cache)
+            x = layer(x, cs[i], *routes.get(i, ()))
         logits, loss = self.head(x if caches is None else x[:, -1:], targets)
         stats = {}
         if self.routed:
@@ -423,15 +413,9 @@ class Model(common.LM):
         kv = [c["kv"] for c in caches if "kv" in c]
         mask = common.past_mask(pos, self.cfg.block_size, kv[0].k.dtype) if kv else None  # (1, S)
         x = self.blocks[0].step(x, caches[0], pos, mask)
-        if self.routed:
-            soft, reads = decode_reads(self, x, pos)                                # (B, 1, nR)
-        r = 0
+        routes = decode_routes(self, x, pos) if self.routed else {}
         for i, layer in enumerate(self.blocks[1:], start=1):
-            if layer.kind == "R":
-                x = layer.step(x, caches[i], pos, mask, soft[:, :, r], reads[r])
-                r += 1
-            else:
-                x = layer.step(x, caches[i], pos, mask)
+            x = layer.step(x, caches[i], pos, mask, *routes.get(i, ()))
         return self.head(x)[0][:, -1], (caches, pos + 1)
 
     @torch.no_grad()
@@ -538,19 +522,20 @@ def gdn_decode_cache(gdn, cache, S, p, dtype):
         torch._dynamo.mark_static_address(t)
 
 
-def decode_reads(model, h0, pos):
-    """Decisions of one decode step, soft (B, 1, nR) bool, and the reads each routed layer runs. Eager: one host
-    sync per token finds the reads any row needs (B=1: exactly one). Compiled: both reads, torch.where picks
-    per row: one graph for every token, no sync (what a CUDA graph replays)."""
+def decode_routes(model, h0, pos):
+    """One decode step's routes, {layer i: (soft (B, 1) bool, reads (GDN?, softmax?))}. Eager: one host sync per
+    token finds the reads any row needs (B=1: exactly one). Compiled: both reads, torch.where picks per row:
+    one graph for every token, no sync (what a CUDA graph replays)."""
     if model.forced_route is not None:
         soft = model.forced_route.index_select(1, pos.view(1))
     else:
         z = model.logits(h0)                                                       # (B, 1, nR, 2)
         soft = z[..., 1] > z[..., 0]                                               # argmax, a tie to GDN
-    if torch.compiler.is_compiling():
-        return soft, [(True, True)] * soft.size(-1)
-    n = soft.sum((0, 1)).tolist()                                                  # (nR,) rows reading softmax
-    return soft, [(c < soft.size(0), c > 0) for c in n]
+    reads = [(True, True)] * soft.size(-1)                                         # compiled: both, no sync
+    if not torch.compiler.is_compiling():
+        n = soft.sum((0, 1)).tolist()                                              # (nR,) rows reading softmax
+        reads = [(c < soft.size(0), c > 0) for c in n]
+    return {i: (soft[:, :, r], reads[r]) for r, i in enumerate(model.routed)}
 
 
 # ----------------------------------------------------------------------------------------------------

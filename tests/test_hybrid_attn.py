@@ -219,6 +219,7 @@ def tiny(**kw):
 @pytest.mark.parametrize("kw,msg", [
     (dict(pattern="G R S"), "has 3 layers"),
     (dict(pattern="G R X S"), "unknown layer 'X'"),
+    (dict(pattern="GR RS", n_layer=2), "has 4 layers"),                  # spaces are not separators of groups
     (dict(pattern="R G G S"), "layer 0 cannot be routed"),
     (dict(balance=-0.1), "balance"),
     (dict(tau_end=0.0), "temperatures"),
