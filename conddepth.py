@@ -1,8 +1,7 @@
 """
-Conditional depth routing, from "Revisiting Auxiliary Losses for Conditional Depth Routing: An Empirical
-Study" (Q. Lin, 2026, arXiv:2604.17228). The last C layers of a pretrained GPT are "controlled": attention
-is unchanged, and each token's FFN sub-layer runs either the full FFN or a cheap low-rank FFN, chosen by a
-controller under an exact top-k budget. Only the controller and the cheap path are trained.
+Conditional depth routing, from "Revisiting Auxiliary Losses for Conditional Depth Routing: An Empirical Study"
+(Q. Lin, 2026, arXiv:2604.17228). In the last C ("controlled") layers of a pretrained GPT, each token's FFN
+sub-layer runs the full FFN or a cheap low-rank one, chosen by a controller under an exact top-k budget.
 
     (1)  a = h_in + Attn(LN1(h_in))
     (2)  h_full  = a + FFN_full(LN2(a))
@@ -34,13 +33,10 @@ Deviations from the paper and choices where it is silent, one line each (results
 - rank pairs are (t, π(t)), π a random permutation per sequence, ties dropped; L_JEPA is averaged over the C layers
 - A2 deranges the JEPA targets with one random B·T-cycle; eval never shuffles
 - the paper preset's P/D widths are 64 each: they give its trainable counts (G1 828,484, G3 849,348) exactly
-- controller_only=False also trains the backbone (the paper's future work; its frozen scope ends below the start)
-
-Eval reports the causal hard loss and, as stats["soft_loss"], training's top-k one (mode="topk" evaluates by
-top-k). θ starts at +∞ (all cheap; −∞ at ρ = 1) and is kept in the checkpoint.
+- only the controller and the cheap path train (§3.4); controller_only=False also trains the backbone (future work)
 """
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -96,14 +92,12 @@ class Config(common.Config):
     model: str = "conddepth"
 
     def __post_init__(self):
-        if self.recipe:
-            if self.recipe not in RECIPES:
-                raise NanorouteError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
-            default = {f.name: f.default for f in fields(Config)}
-            for k, v in RECIPES[self.recipe].items():
-                if getattr(self, k) not in (v, default[k]):  # an explicit value the recipe would overwrite
-                    raise NanorouteError(f"recipe {self.recipe} sets {k}={v}; {k}={getattr(self, k)} contradicts it")
-                setattr(self, k, v)
+        if self.recipe and self.recipe not in RECIPES:
+            raise NanorouteError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
+        for k, v in RECIPES.get(self.recipe, {}).items():
+            if getattr(self, k) not in (v, getattr(Config, k)):  # an explicit value the recipe would overwrite
+                raise NanorouteError(f"recipe {self.recipe} sets {k}={v}; {k}={getattr(self, k)} contradicts it")
+            setattr(self, k, v)
         super().__post_init__()
         if not 0.0 < self.rho <= 1.0:
             raise NanorouteError(f"rho (the full-path budget) must be in (0, 1], got {self.rho}")
@@ -175,8 +169,7 @@ class GateG3(nn.Module):
 
 
 def budget_k(rho, T):
-    """k = ⌈ρT⌉ (eq. 7), robust to float error (0.3·10 = 3.0000000000000004 must give 3)."""
-    return max(1, math.ceil(round(rho * T, 6)))
+    return max(1, math.ceil(round(rho * T, 6)))  # k = ⌈ρT⌉, eq. (7); round: 0.3·10 = 3.0000000000000004 must give 3
 
 
 def topk_mask(u, k):
@@ -214,8 +207,7 @@ class CondDepthLM(common.LM):
         self.register_buffer("threshold_batches", torch.zeros(C))   # how many batches θ_l has averaged
         self.init_weights()
         for ffn in self.cheap:                                       # eq. (5): the cheap path starts as identity
-            nn.init.zeros_(ffn.down.weight)
-            nn.init.zeros_(ffn.down.bias)
+            nn.init.zeros_(ffn.down.weight)                          # (its bias is 0 from init_weights)
         for g in self.gates:                                         # fan-in init: u spreads at step 0 (docstring)
             for m in g.modules():
                 if isinstance(m, nn.Linear):
@@ -225,23 +217,21 @@ class CondDepthLM(common.LM):
                 nn.init.orthogonal_(g.target.weight)                 # T: orthogonal init, frozen
         self.train()                                                 # controller_only: the backbone frozen
         self.mode = cfg.mode                                         # switchable (tests, experiments)
-        self.label_now = False                                       # set by on_step: oracle labels this step?
+        self.label_now = False                                       # oracle labels this step? (on_step)
         self.last_masks = []                                         # per layer (B, T): the last forward's routing
         self.last_scores = []
         self.fold_key = None                                         # folds(): the gates' parameters it was made from
         self.fold_cache = None
 
     def train(self, mode=True):
-        """controller_only (paper §3.4) freezes the backbone in training mode; in eval mode every weight but T
-        requires grad (none is taken there), so autocast casts each once per region, not once per call."""
+        """controller_only freezes the backbone in training; in eval all but T require grad, so autocast casts once."""
         super().train(mode)
         for name, p in self.named_parameters():
             trainable = not self.cfg.controller_only or name.startswith(("cheap.", "gates."))
             p.requires_grad = ".target." not in name and (trainable or not mode)
         return self
 
-    def on_step(self, it):
-        """train.py calls this before every step: oracle labels from label_start on, every label_every steps."""
+    def on_step(self, it):                                           # train.py calls it before every step
         cfg = self.cfg
         self.label_now = (cfg.lam_util > 0 or cfg.lam_rank > 0) and it >= cfg.label_start \
             and (it - cfg.label_start) % cfg.label_every == 0
@@ -272,8 +262,7 @@ class CondDepthLM(common.LM):
         return logits, loss, stats
 
     def controlled(self, x, topk, sparse=False, losses=False):
-        """The C controlled layers on x (B, T, d), routed by exact top-k per sequence (topk; training also moves θ)
-        or by θ. Returns the output residual and per layer u and m, plus (losses) p and the JEPA terms."""
+        """The C controlled layers on x (B, T, d), routed by top-k per sequence (training also moves θ) or by θ."""
         cfg, C = self.cfg, self.cfg.n_controlled
         B, T, _ = x.shape
         k = budget_k(cfg.rho, T)
@@ -310,9 +299,8 @@ class CondDepthLM(common.LM):
 
     @torch.no_grad()
     def track_threshold(self, j, u, n_full):
-        """θ_j ← running average of this batch's top-k cut: midway between its n_full-th and next score."""
         v = u.flatten().topk(n_full + 1).values                      # (n_full + 1,)
-        cut = (v[-2] + v[-1]) / 2
+        cut = (v[-2] + v[-1]) / 2                                    # this batch's top-k cut: θ_j averages it
         n = self.threshold_batches[j]
         beta = (1 / (n + 1)).clamp(min=THRESHOLD_EMA)
         self.thresholds[j] = torch.where(n == 0, cut, self.thresholds[j] + beta * (cut - self.thresholds[j]))
@@ -327,7 +315,6 @@ class CondDepthLM(common.LM):
         for x in batches:
             self(x)
         self.train(was_training)
-        return self.thresholds.clone()
 
     @torch.compiler.disable                                         # reads parameter versions: host bookkeeping
     def folds(self):
@@ -357,12 +344,11 @@ class CondDepthLM(common.LM):
 def total_loss(model, x, targets, lm_loss, r):
     """eq. (19) and the statistics train.py logs, from controlled()'s terms r; x: where the oracle starts."""
     cfg, L, C = model.cfg, model.cfg.n_layer, model.cfg.n_controlled
-    T = x.size(1)
     full = torch.stack([m.float().mean() for m in r["m"]])          # (C,) fraction on the full path
     p_bar = torch.stack([p.mean() for p in r["p"]])                  # (C,) batch-averaged gate prob per layer
     budget = ((p_bar - cfg.rho) ** 2).mean()                         # eq. (20)
     alive = F.relu(cfg.p_min - p_bar).mean()                         # eq. (21)
-    ratio = flops_per_token(cfg, T, full) / common.dense_flops_per_token(cfg, T)
+    ratio = flops_per_token(cfg, x.size(1), full) / common.dense_flops_per_token(cfg, x.size(1))
     stats = {"gate_prob": p_bar.mean().detach(), "full_ratio": full.mean(), "skipped": 1 - full.mean(),
              "flops_saved_hard": 1 - ratio, "budget": budget.detach(), "alive": alive.detach(),
              "util_var": torch.stack([u.detach().var(correction=0) for u in r["u"]]).mean(),
@@ -402,10 +388,9 @@ def derangement(n, device):
 
 
 def rank_loss(u, u_star):
-    """eq. (18) over pairs (t, π(t)) of each sequence, π a random permutation; tied labels are dropped."""
-    perm = torch.randperm(u.size(1), device=u.device)
+    perm = torch.randperm(u.size(1), device=u.device)                # pairs (t, π(t)); tied labels are dropped
     s = torch.sign(u_star - u_star[:, perm])                         # (B, T)
-    loss = F.softplus(-s * (u - u[:, perm]))
+    loss = F.softplus(-s * (u - u[:, perm]))                         # eq. (18)
     return (loss * (s != 0)).sum() / (s != 0).sum().clamp(min=1)
 
 
@@ -418,9 +403,8 @@ def token_ce(model, h, targets):
 
 @torch.no_grad()
 def oracle_labels(model, x, targets):
-    """u*_l (B, T) for each controlled layer, from x (B, T, d) entering the first one. The full branch is the
-    dense model (one pass, keeping each layer's K/V); fork (l, t) changes token t's FFN at layer l only, so it
-    recomputes only t … t+W−1 (its window) in the later layers, against the dense K/V of positions < t."""
+    """u*_l (B, T) per controlled layer from x (B, T, d) entering the first: one dense pass keeps each layer's K/V;
+    fork (l, t) recomputes only its window t … t+W−1 in the later layers, against the dense K/V of positions < t."""
     cfg, C, W = model.cfg, model.cfg.n_controlled, model.cfg.oracle_window
     T = x.size(1)
     blocks = model.blocks[-C:]
@@ -449,8 +433,7 @@ def oracle_labels(model, x, targets):
 
 
 def fork_block(block, h, K, V, valid):
-    """One later layer for every fork's window h (B, T, W, d): fork t's queries see the dense keys of
-    positions < t (K, V: (B, nh, T, hs)) and its own window's keys up to themselves."""
+    """One later layer for every fork's window h (B, T, W, d), seeing the dense K, V (B, nh, T, hs) before t."""
     B, T, W, d = h.shape
     nh = block.attn.n_head
     q, k, v = block.attn.c_attn(block.ln_1(h)).view(B, T, W, 3, nh, d // nh).permute(3, 0, 4, 1, 2, 5)
@@ -469,8 +452,8 @@ def fork_block(block, h, K, V, valid):
 # Sparse inference: each token runs only its own FFN
 
 def sparse_ffn(block, cheap, a, m):
-    """a (B, T, d), m (B, T) -> eq. (4): the full FFN only on the full-path tokens (one gather, one write-back over
-    the cheap result), the cheap FFN on every token; one path alone when all agree. n varies: no CUDA graph."""
+    """a (B, T, d), m (B, T) -> eq. (4): the cheap FFN on every token, the full FFN on the n gathered full ones
+    (one path alone when all agree; n varies with the routing, so this path is no CUDA graph)."""
     a2 = a.reshape(-1, a.size(-1))                                   # (N, d)
     i_full = m.reshape(-1).nonzero().squeeze(1)                      # (n,): the one host sync, to know n
     if i_full.numel() == a2.size(0):
@@ -556,23 +539,17 @@ def flops_per_token(cfg, T, full):
     return common.dense_flops_per_token(cfg, T) + (routed - ffn).sum()
 
 
-def label_fraction(cfg):
-    """Fraction of the max_iters steps that compute oracle labels."""
-    n = max(0, math.ceil((cfg.max_iters - cfg.label_start) / cfg.label_every))
-    return n / cfg.max_iters if cfg.lam_util or cfg.lam_rank else 0.0
-
-
 def infer_vs_full(cfg):
-    """Paper §4, forward FLOPs in FFN units of the controlled layers (1 = one token through one full FFN):
-    ρ + (1 − ρ)·r/d_ff + ctrl_infer/FFN, ctrl: G1's MLP, or G3's W_c + P (twice) + D, unfolded as in the paper."""
+    """Paper §4, inference in FFN units of a controlled layer: ρ + (1 − ρ)·r/d_ff + ctrl/FFN, G3's ctrl unfolded."""
     ffn, cheap = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd), cfg.cheap_rank / (4 * cfg.n_embd)  # cheap: r / d_ff
     return cfg.rho + (1 - cfg.rho) * cheap + controller_flops(cfg, train=False, folded=False) / ffn
 
 
 def compute_vs_full(cfg):
-    """Paper §4, training: 1 + r/d_ff + ctrl_train/FFN + f_label·oracle/C, f_label the share of label steps, oracle
-    the units per label step: dense pass C + cheap forks C·r/d_ff + W·C(C−1)/2 for the forks' later layers."""
+    """Paper §4, training in FFN units: 1 + r/d_ff + ctrl_train/FFN + f_label·oracle/C, oracle per label step."""
     ffn, cheap = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd), cfg.cheap_rank / (4 * cfg.n_embd)
     C = cfg.n_controlled
-    oracle = label_fraction(cfg) * (C + C * cheap + cfg.oracle_window * C * (C - 1) / 2) / C  # per label step
+    n_label = max(0, math.ceil((cfg.max_iters - cfg.label_start) / cfg.label_every))  # steps with oracle labels
+    f_label = n_label / cfg.max_iters if cfg.lam_util or cfg.lam_rank else 0.0
+    oracle = f_label * (C + C * cheap + cfg.oracle_window * C * (C - 1) / 2) / C  # dense, forks, their later layers
     return 1 + cheap + controller_flops(cfg, train=True) / ffn + oracle
