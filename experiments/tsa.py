@@ -7,7 +7,7 @@ skipped; --dry-run prints the commands); table commands read the runs' records.
   python experiments/tsa.py eval RUN... --out F.jsonl         # one record per run: soft/hard losses, α, sparse check
   python experiments/tsa.py proxy --seed S | proxy-table      # --preset paper at a proxy with its tokens per parameter
   python experiments/tsa.py curve --seeds 1 | curve-table --png F # the proxy's calibrated phase per exec_share
-  python experiments/tsa.py dense --dropouts 0.1,0.2 --lrs 3e-4,1e-3  # the dense GPT at the proxy's size and budget
+  python experiments/tsa.py grid --model gpt|tsa --dropouts D --lrs LR  # dense GPT / TSA settings at the proxy
 """
 import argparse
 import dataclasses
@@ -146,9 +146,9 @@ def f4(v, n=4):
     return f"{v:.{n}f}"
 
 
-def mean_sd(xs, n=4):
+def mean_sd(xs, n=4, sign=""):
     m, sd = compare.mean_sd(xs)
-    return f"{m:.{n}f} ± {sd:.{n}f}" if len(xs) > 1 else f"{m:.{n}f}"
+    return f"{m:{sign}.{n}f} ± {sd:.{n}f}" if len(xs) > 1 else f"{m:{sign}.{n}f}"
 
 
 def pct(v, d):
@@ -338,45 +338,64 @@ def curve(a):
             branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
 
 
-def dense_runs(root):
-    """The dense runs (dense_do<D>_lr<LR>_sS): setting -> {seed: final val}."""
-    by = {}
-    for d in os.listdir(root):
-        if d.startswith("dense_") and os.path.exists(os.path.join(root, d, "done")):
-            setting, _, seed = d.rpartition("_s")
-            by.setdefault(setting, {})[seed] = evals(os.path.join(root, d))[-1]["val_loss"]
-    return by
+def setting(run):
+    """A run's (dropout, peak lr), from its config.json."""
+    cfg = json.load(open(os.path.join(run, "config.json")))
+    return cfg["dropout"], cfg["learning_rate"]
+
+
+def final_runs(root, prefix):
+    """The finished runs <prefix>*_sS: {(dropout, lr): {seed: final eval line}} and the run names."""
+    by, names = {}, []
+    for d in sorted(os.listdir(root)):
+        if d.startswith(prefix) and os.path.exists(os.path.join(root, d, "done")):
+            run, seed = os.path.join(root, d), d.rpartition("_s")[2]
+            by.setdefault(setting(run), {})[seed] = evals(run)[-1]
+            names.append(d)
+    return by, names
 
 
 def curve_table(a):
     """One row per share (mean ± sd over seeds): hard val, soft val, hard against the soft-only model, the control
     (softlr) and the best dense GPT, token-layers, TLOps and FLOPs saved (hard); --png F draws hard val vs TLOps."""
     root, by = os.path.join(ROOT, a.root), {}
-    refs, dense = references(root), dense_runs(root)
+    refs, (dense, _) = references(root), final_runs(root, "dense_")
+    dense = {k: {s: e["val_loss"] for s, e in v.items()} for k, v in dense.items()}    # setting -> {seed: val}
     best = min(dense, key=lambda k: compare.mean_sd(list(dense[k].values()))[0]) if dense else None
     refs["dense"] = dense.get(best, {})
     for d in os.listdir(root):
         kind, _, seed = d.rpartition("_s")
         if kind.startswith("share") and os.path.exists(os.path.join(root, d, "done")):
             by.setdefault(float(kind[5:]), []).append((seed, evals(os.path.join(root, d))[-1]))
-    rows, pc = [], lambda xs, n=2: mean_sd([100 * x for x in xs], n) + "%"
+    rows, pc = [], lambda xs, n=2, sign="+": mean_sd([100 * x for x in xs], n, sign) + "%"
     for share, runs in sorted(by.items()):
         seeds, v = [s for s, _ in runs], lambda k: [e[k] for _, e in runs]
         rel = lambda ref: pc([e["val_loss"] / ref[s] - 1 for s, e in runs]) if set(seeds) <= set(ref) else "–"
         rows.append([share, ",".join(sorted(seeds)), mean_sd(v("val_loss")), mean_sd(v("val_soft_loss")),
                      pc([e["val_loss"] / e["val_soft_loss"] - 1 for _, e in runs]), rel(refs["soft"]),
-                     rel(refs["softlr"]), rel(refs["dense"]), *[pc(v(k), 1) for k in (
+                     rel(refs["softlr"]), rel(refs["dense"]), *[pc(v(k), 1, "") for k in (
                          "val_skipped", "val_tlops_saved_hard", "val_flops_saved_hard")]])
     print(md_table(rows, ["exec_share", "seeds", "hard val", "soft val", "hard − soft", "vs paper's soft model",
                           "vs the control (softlr)", "vs the best dense GPT", "token-layers skipped",
                           "TLOps saved (hard)", "FLOPs saved (hard)"]))
-    print(md_table([[k, ",".join(sorted(v)), mean_sd(list(v.values()))] for k, v in sorted(dense.items())],
-                   ["dense GPT setting", "seeds", "final val"]) + f"\nbest dense GPT: {best}")
+    print(md_table([[f"dropout {do}, lr {lr:g}", ",".join(sorted(v)), mean_sd(list(v.values()))]
+                    for (do, lr), v in sorted(dense.items())], ["dense GPT", "seeds", "final val"]))
+    print(f"best dense GPT: dropout {best[0]}, lr {best[1]:g}\n" if best else "")
+    rows, points = [], []  # TSA's whole recipe at other settings (`grid --model tsa`)
+    for d in final_runs(root, "tsa_")[1]:
+        e, seed, (do, lr) = evals(os.path.join(root, d))[-1], d.rpartition("_s")[2], setting(os.path.join(root, d))
+        same = dense.get((do, lr), {})
+        points.append((f"TSA's whole recipe at dropout {do}, lr {lr:g}", 100 * e["val_tlops_saved_hard"], e["val_loss"]))
+        rows.append([d, f"dropout {do}, lr {lr:g}", f4(e["val_loss"]), f4(e["val_soft_loss"]),
+                     f"{e['val_tlops_saved_hard']:.1%}", f"{e['val_loss'] / same[seed] - 1:+.2%}" if seed in same else "–",
+                     f"{e['val_loss'] / refs['dense'][seed] - 1:+.2%}" if seed in refs["dense"] else "–"])
+    print(md_table(rows, ["TSA run", "setting", "hard val", "soft val", "TLOps saved (hard)",
+                          "vs the dense GPT of the same setting", "vs the best dense GPT"]) if rows else "")
     if a.png:
-        plot_curve(by, refs, a.png)
+        plot_curve(by, refs, points, a.png)
 
 
-def plot_curve(by, refs, path):
+def plot_curve(by, refs, points, path):
     import matplotlib  # optional: only --png needs it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -384,26 +403,34 @@ def plot_curve(by, refs, path):
     for seed in sorted({s for runs in by.values() for s, _ in runs}):
         ax.plot(*zip(*sorted((100 * e["val_tlops_saved_hard"], e["val_loss"]) for runs in by.values()
                              for s, e in runs if s == seed)), "o-", label=f"TSA, hard (sparse inference), seed {seed}")
+    for i, label in enumerate(dict.fromkeys(p[0] for p in points)):  # one colour and legend entry per setting
+        ax.plot(*zip(*[(x, y) for q, x, y in points if q == label]), "s", c=f"C{i + 2}", label=label)
     for name, style, label in (("dense", "-", "best dense GPT"), ("softlr", ":", "control (softlr)")):
         for seed, v in sorted(refs[name].items()):
             ax.axhline(v, c="k", ls=style, lw=1, label=f"{label}, seed {seed}")
-    ax.set(xlabel="TLOps saved (%)", ylabel="val loss", title="TSA paper preset at the CPU proxy (4 × 128)")
+    ax.set(xlabel="TLOps saved by hard routing (%)", ylabel="val loss (TSA: hard)",
+           title="TSA's paper preset at the CPU proxy (4 × 128, 6.8M tokens)")
     ax.legend(fontsize=7)
     fig.savefig(path + ".tmp.png", dpi=120)
     os.replace(path + ".tmp.png", path)
 
 
-def dense(a):
-    """The dense GPT at the proxy's size and budget (4 × 128, 833 × 64 × 128 tokens, the preset's optimiser; evals as
-    the proxy's) for every dropout × lr (min_lr = lr/10), each seed; curve-table lists them and takes the best."""
-    for do, lr, s in itertools.product(a.dropouts.split(","), a.lrs.split(","), map(int, a.seeds.split(","))):
-        train_run(os.path.join(a.out, f"dense_do{do}_lr{lr}_s{s}"), [*DENSE, f"--dropout={do}", f"--learning_rate={lr}",
-                                                                    f"--min_lr={float(lr) / 10:g}", f"--seed={s}"],
-                  dry=a.dry_run)
+def grid(a):
+    """At the proxy's size and budget, for every dropout × peak lr (min_lr = lr/10) and seed: the dense GPT (--model
+    gpt: dense_do<D>_lr<LR>_sS) or TSA's whole paper-preset recipe at each exec_share, its straight-through phase
+    restarting at that lr (--model tsa: tsa_do<D>_lr<LR>_share<S>_sS). curve-table lists them."""
+    shares = a.shares.split(",") if a.model == "tsa" else [""]
+    for do, lr, s, S in itertools.product(a.dropouts.split(","), a.lrs.split(","), a.seeds.split(","), shares):
+        flags = [f"--dropout={do}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}", f"--seed={s}"]
+        if a.model == "gpt":
+            train_run(os.path.join(a.out, f"dense_do{do}_lr{lr}_s{s}"), [*DENSE, *flags], dry=a.dry_run)
+        else:
+            train_run(os.path.join(a.out, f"tsa_do{do}_lr{lr}_share{S}_s{s}"), [
+                *PROXY, *flags, f"--hard_ft_lr={lr}", f"--hard_ft_iters={N - AT}", f"--exec_share={S}"], dry=a.dry_run)
 
 
 COMMANDS = {"study": study, "budget": budget, "table": table, "eval": None, "proxy": proxy, "proxy-table": proxy_table,
-            "curve": curve, "curve-table": curve_table, "dense": dense}
+            "curve": curve, "curve-table": curve_table, "grid": grid}
 
 
 def main():
@@ -414,11 +441,12 @@ def main():
                    "out/tsa_proxy")
     p.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
     p.add_argument("--seed", type=int, help="budget, proxy: the seed")
-    p.add_argument("--seeds", default="1,2,3", help="curve, dense")
+    p.add_argument("--seeds", default="1,2,3", help="curve, grid")
+    p.add_argument("--model", choices=["gpt", "tsa"], default="gpt", help="grid")
     p.add_argument("--branches", default="calibrate,soft,train,frozen", help="proxy")
-    p.add_argument("--shares", default="0.87,0.73,0.7,0.6,0.4", help="curve: exec_share values (TLOps saved: 10-45%%)")
-    p.add_argument("--dropouts", default="0.1,0.2", help="dense")
-    p.add_argument("--lrs", default="3e-4,1e-3", help="dense")
+    p.add_argument("--shares", default="0.87,0.73,0.7,0.6,0.4,0.25", help="curve: exec_share values (TLOps saved: 8-45%%)")
+    p.add_argument("--dropouts", default="0.0,0.1,0.2", help="grid")
+    p.add_argument("--lrs", default="3e-4,1e-3", help="grid")
     p.add_argument("--eval_iters", type=int, default=30, help="eval")
     p.add_argument("--eval_seed", type=int, help="eval: another seed's fixed val batches (default the run's)")
     p.add_argument("--png", help="curve-table: also draw the curve into this PNG (needs matplotlib)")
