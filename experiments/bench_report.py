@@ -11,10 +11,6 @@ import sys
 from compare import md_table
 
 
-def gain(measured, ideal):
-    return f"{(measured - 1) / (ideal - 1):.2f}" if ideal > 1.001 else "–"
-
-
 def main(paths):
     runs = [json.load(open(p)) for p in paths]
     rows = [r for run in runs for r in run["rows"]]
@@ -33,7 +29,8 @@ def main(paths):
             s, i, setting = r["speedup"], r["flops_ideal"], f"softmax {r['softmax_frac']} (vs dense-hard)"
         else:
             continue
-        speed.append([r["suite"], r["what"], f"{r['B']} × {r['T']}", setting, f"{s:.3f}", f"{i:.3f}", gain(s, i)])
+        speed.append([r["suite"], r["what"], f"{r['B']} × {r['T']}", setting, f"{s:.3f}", f"{i:.3f}",
+                      f"{(s - 1) / (i - 1):.2f}" if i > 1.001 else "–"])
     print(md_table(speed, ["suite", "what", "B × T", "setting", "sparse vs dense", "FLOPs-ideal",
                            "share of the ideal gain"]))
     print(md_table([[r["suite"], ", ".join(f"{k}={r[k]}" for k in ("mode", "rho", "rho_set", "softmax_frac") if k in r),

@@ -34,6 +34,7 @@ BASE = dict(dataset="shakespeare", n_layer=6, n_head=4, n_embd=128, block_size=2
 BUDGETS = {"cpu": BASE, "gpu": {**BASE, "max_iters": 2000, "batch_size": 24},
            "600it": {**BASE, "max_iters": 600, "warmup_iters": 60, "eval_interval": 200}}
 REF = "gpt-L6"  # the dense reference every ratio is taken against
+FT = {"init_from": "{gpt-L6}", "max_iters": 800, "learning_rate": 1e-3}
 RUNS = {  # name -> (model, flags): dense line first, then two operating points per router
     "gpt-L6": ("gpt", {}),
     "gpt-L4": ("gpt", {"n_layer": 4}),
@@ -47,12 +48,10 @@ RUNS = {  # name -> (model, flags): dense line first, then two operating points 
     "hybrid-bal0.5": ("hybrid", {"pattern": "G R R R R S", "balance": 0.5}),
     # fine-tuned from the trained dense 6-layer run (its final checkpoint), backbone trained too:
     # controller-only cannot end better than its dense start (results/conddepth.md)
-    "conddepth-rho0.5": ("conddepth", {"rho": 0.5, "init_from": "{gpt-L6}", "max_iters": 800, "learning_rate": 1e-3,
-                                       "controller_only": False}),
-    "conddepth-rho0.25": ("conddepth", {"rho": 0.25, "init_from": "{gpt-L6}", "max_iters": 800, "learning_rate": 1e-3,
-                                        "controller_only": False}),
+    "conddepth-rho0.5": ("conddepth", {"rho": 0.5, **FT, "controller_only": False}),
+    "conddepth-rho0.25": ("conddepth", {"rho": 0.25, **FT, "controller_only": False}),
     # the control of both: the same dense checkpoint trained on for the same steps with the same flags
-    "gpt-L6-ft": ("gpt", {"init_from": "{gpt-L6}", "max_iters": 800, "learning_rate": 1e-3}),
+    "gpt-L6-ft": ("gpt", FT),
 }
 SEEDS = (1, 2)
 QUICK = dict(max_iters=6, eval_interval=6, eval_iters=2, warmup_iters=2)  # --quick: a smoke run of the pipeline
@@ -72,7 +71,7 @@ def train(name, seed, out, base, quick=False, device="auto"):
     """Train one run unless its checkpoint already reached max_iters; resume a partial one."""
     model, flags = RUNS[name]
     d = run_dir(out, name, seed)
-    flags = {**base, **flags, "seed": seed, "out_dir": d, "device": device, **(QUICK if quick else {})}
+    flags = {**base, **flags, "seed": seed, "device": device, **(QUICK if quick else {})}
     if parent(name):
         flags["init_from"] = os.path.join(run_dir(out, parent(name), seed), "ckpt.pt")
     ckpt = os.path.join(d, "ckpt.pt")
@@ -80,9 +79,7 @@ def train(name, seed, out, base, quick=False, device="auto"):
         import common
         if common.load_checkpoint(ckpt)["iter"] >= flags["max_iters"]:
             return d
-    argv = [f"--model={model}", *(f"--{k}={v}" for k, v in flags.items())]
-    train_py(argv + (["--resume"] if os.path.exists(ckpt) else []), os.path.join(out, f"{name}-s{seed}.log"))
-    return d
+    return train_run(d, [f"--model={model}", *(f"--{k}={v}" for k, v in flags.items())])
 
 
 def schedule(tasks, deps, work, jobs):
@@ -196,7 +193,6 @@ def measure(name, d, ref_dir, repeats, device):
 # the tables (pure functions of the records: tested in tests/test_compare.py)
 
 def md_table(rows, cols):
-    """A markdown table: cols are the header cells, rows lists of cells (any value; str() is taken)."""
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows]) + "\n"
 
@@ -221,14 +217,12 @@ def on_line(name, rs):
 
 
 def dense_line(groups):
-    """(flops_ratio, val_loss) of the dense runs' means, sorted by FLOPs: the matched-cost reference."""
     pts = [(mean_sd([r["flops_ratio"] for r in rs])[0], mean_sd([r["val_loss"] for r in rs])[0])
            for name, rs in groups.items() if on_line(name, rs)]
     return sorted(pts)
 
 
 def dense_loss_at(line, flops):
-    """Val loss of the dense line at a FLOPs ratio (linear interpolation; outside the range: None)."""
     for (f0, l0), (f1, l1) in zip(line, line[1:]):
         if f0 <= flops <= f1:
             return l0 + (l1 - l0) * (flops - f0) / (f1 - f0) if f1 > f0 else min(l0, l1)
@@ -267,11 +261,6 @@ def control_verdict(rs, controls):
     return f"{word} ({d:+.3f} ± {sd:.3f})"
 
 
-COLS = ["run", "seeds", "params", "val loss", "training-mode val", "bpc", "FLOPs ratio", "dense line at that FLOPs",
-        "vs dense line", "vs its control (equal training)", "speedup T=256", "speedup T=1024", "KV/state @1024",
-        "train step ratio"]
-
-
 def table(records):
     groups = group(records)
     line = dense_line(groups)
@@ -294,7 +283,9 @@ def table(records):
                      "–" if at is None or on_line(name, rs) else f"{at:.3f}", vs_line, vs_control,
                      col(rs, "speedup_T256"), col(rs, "speedup_T1024"), col(rs, "kv_ratio_1024"),
                      col(rs, "train_step_ratio")])
-    return md_table(rows, COLS)
+    return md_table(rows, ["run", "seeds", "params", "val loss", "training-mode val", "bpc", "FLOPs ratio",
+                           "dense line at that FLOPs", "vs dense line", "vs its control (equal training)",
+                           "speedup T=256", "speedup T=1024", "KV/state @1024", "train step ratio"])
 
 
 def write_section(md, key, text, title="# All four routers vs dense GPTs of matched cost\n"):
@@ -330,13 +321,6 @@ def section(budget, records, rec_dir):
 # ----------------------------------------------------------------------------------------------------
 # shared by the other experiment scripts (tsa, dtrnet, conddepth, hybrid)
 
-def train_py(argv, log):
-    """python train.py ARGV, its output appended to the file log."""
-    print("python train.py " + shlex.join(argv), flush=True)
-    with open(log, "a") as f:
-        subprocess.run([sys.executable, "train.py", *argv], check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-
-
 def train_run(out_dir, flags, after=None, dry=False):
     """python train.py FLAGS --out_dir=OUT_DIR (output to OUT_DIR.log), then after(out_dir), then a `done` file.
     A run whose `done` exists is skipped and one with a checkpoint resumes, so rerunning a study continues where
@@ -349,7 +333,11 @@ def train_run(out_dir, flags, after=None, dry=False):
     else:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         resume = ["--resume"] if os.path.exists(os.path.join(path, "ckpt.pt")) and "--resume" not in flags else []
-        train_py([*flags, f"--out_dir={out_dir}", *resume], path + ".log")
+        argv = [*flags, f"--out_dir={out_dir}", *resume]
+        print("python train.py " + shlex.join(argv), flush=True)
+        with open(path + ".log", "a") as f:
+            subprocess.run([sys.executable, "train.py", *argv], check=True, cwd=ROOT, stdout=f,
+                           stderr=subprocess.STDOUT)
         if after:
             after(path)
         open(os.path.join(path, "done"), "w").close()
@@ -357,7 +345,6 @@ def train_run(out_dir, flags, after=None, dry=False):
 
 
 def study_cli(doc, commands, out):
-    """The command line of a study script: CMD (a key of commands) [--out DIR] [--dry-run]."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cmd", choices=list(commands))
     p.add_argument("--out", default=out, help="the runs' folder")
@@ -374,11 +361,10 @@ def evals(run):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", default="cpu", choices=BUDGETS, help="tokens per run: cpu 4.9M, gpu 12.3M, 600it 1.2M")
-    p.add_argument("--jobs", type=int, default=1, help="training processes at a time (CPU: one per core, "
+    p.add_argument("--jobs", type=int, default=1, help="training processes at a time (CPU: one per core with "
                    "OMP_NUM_THREADS=1; one H100 ran 6)")
     p.add_argument("--device", default="auto", help="passed to train.py and used for the measurements")
     p.add_argument("--out", help="run dirs (default out/compare<_budget>)")
-    p.add_argument("--results", default=os.path.join(ROOT, "results"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--table-only", action="store_true")
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of run names")
@@ -387,7 +373,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     suffix = "" if args.budget == "cpu" else f"_{args.budget}"
     out = args.out or os.path.join(ROOT, "out", "compare" + suffix + ("_quick" if args.quick else ""))
-    results = os.path.join(out, "results") if args.quick else args.results
+    results = os.path.join(out, "results") if args.quick else os.path.join(ROOT, "results")
     rec_dir = os.path.join(results, "compare" + suffix)
     record = lambda n, s: os.path.join(rec_dir, f"{n}-s{s}.json")  # noqa: E731
     if not args.table_only:
@@ -405,7 +391,6 @@ def main(argv=None):
                 n = parent(n)
         tasks = sorted(tasks, key=lambda t: (t[1], list(RUNS).index(t[0])))
         deps = {(n, s): [(parent(n), s)] for n, s in tasks if parent(n)}
-        os.makedirs(out, exist_ok=True)
         os.makedirs(rec_dir, exist_ok=True)
         schedule(tasks, deps, lambda t: train(*t, out, BUDGETS[args.budget], args.quick, str(device)), args.jobs)
         for name, seed in todo:  # measured one at a time, after every training has ended

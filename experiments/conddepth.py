@@ -14,12 +14,10 @@ import dataclasses
 import glob
 import json
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # conddepth.py, not this script
-from compare import ROOT, md_table, study_cli, train_run  # noqa: E402
+from compare import ROOT, load, md_table, study_cli, train_run
 
 RECIPES = ["G1", "G3", "A1", "A2", "A3-G1", "A3-G3"]
 # 300 controller steps of 16 × 64 tokens (paper: 20k steps of 16 × 256); labels from step 20, every 5
@@ -58,18 +56,14 @@ def evaluate(run, out):
     training computation, train.py's val_soft_loss), dense and sparse; and from metrics.jsonl the eval curve and
     the mean pre-clipping grad-norm (of every step: train.py logs every step with --log_interval=1)."""
     import common
-    import conddepth as cd
     import torch
-    ckpt = common.load_checkpoint(os.path.join(run, "ckpt.pt"))
-    cfg = cd.Config(**ckpt["config"])
-    model, dev = cd.Model(cfg), torch.device("cpu")
-    model.load_state_dict(ckpt["model"])
+    model, cfg, _ = load(run)
     meta, val = common.load_meta(cfg.dataset, cfg.data_dir), common.load_split(cfg.dataset, "val", cfg.data_dir)
     final = {}
     for mode in ("causal", "topk"):
         model.mode = mode
         for sparse in (False, True):
-            ev = common.estimate_loss(model, val, meta, cfg, dev, "val", sparse=sparse)
+            ev = common.estimate_loss(model, val, meta, cfg, torch.device("cpu"), "val", sparse=sparse)
             final[mode + ("_sparse" if sparse else "")], final[mode + "_full_ratio"] = ev["loss"], ev["full_ratio"]
             if mode == "causal" and not sparse:
                 final.update(soft=ev["soft_loss"], flops_saved_hard=ev["flops_saved_hard"])

@@ -4,10 +4,9 @@ tests (the `dev`-parametrised tests of tests/test_<model>.py), its training step
 and its sparse vs dense-hard forward ratio, on a trained classroom checkpoint when one is in out/<model>-classroom.
 
   python experiments/devices.py                           # cpu fp32 and cpu bf16
-  python experiments/devices.py --device cuda --dtypes bf16 fp32 --json out/devices_cuda.json
+  python experiments/devices.py --device cuda --dtypes bf16 fp32
 """
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -15,11 +14,10 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the model files, not this folder's scripts of the same names
-import bench  # noqa: E402
-import common  # noqa: E402
-import train  # noqa: E402
+from compare import ROOT  # first: it puts the model files ahead of this folder on sys.path
+import bench
+import common
+import train
 
 TEST_FILES = {"gpt": "test_common.py", "tsa": "test_tsa.py", "dtrnet": "test_dtrnet.py",
               "conddepth": "test_conddepth.py", "hybrid": "test_hybrid_attn.py"}
@@ -37,14 +35,12 @@ def contract(model, dev_id):
 def speed(name, device, dtype, repeats):
     """(train ms/iter at the classroom preset, sparse/dense-hard forward ratio, where the routing came from)."""
     cfg, module, _ = train.parse_args(["--model", name, "--preset", "classroom", f"--device={device.type}"])
-    run = os.path.join(ROOT, "out", f"{name}-classroom")
-    routing = "untrained"
+    ckpt = os.path.join(ROOT, "out", f"{name}-classroom", "ckpt.pt")
     meta = common.prepare(cfg.dataset, cfg.data_dir)
     cfg = train.resolve(cfg, meta)
     model = module.Model(cfg).to(device)
-    if os.path.exists(os.path.join(run, "ckpt.pt")):
-        model.load_state_dict(common.load_checkpoint(os.path.join(run, "ckpt.pt"))["model"])
-        routing = "trained (out/%s-classroom)" % name
+    if os.path.exists(ckpt):
+        model.load_state_dict(common.load_checkpoint(ckpt)["model"])
     data = common.load_split(cfg.dataset, "val", cfg.data_dir)
     x, y = common.get_batch(data, meta, cfg.batch_size, cfg.block_size, common.eval_rng(0, "val", 0), device)
     opt = common.make_optimizer(model, cfg, device)
@@ -59,40 +55,31 @@ def speed(name, device, dtype, repeats):
     ms = 1e3 * bench.timeit({"step": step}, device, repeats)["step"]
     if name == "gpt":
         return ms, float("nan"), "-"
-    if os.path.exists(os.path.join(run, "ckpt.pt")):  # the optimiser steps above moved the weights: reload
-        model.load_state_dict(common.load_checkpoint(os.path.join(run, "ckpt.pt"))["model"])
+    if os.path.exists(ckpt):  # the optimiser steps above moved the weights: reload
+        model.load_state_dict(common.load_checkpoint(ckpt)["model"])
     model.eval()
     with torch.no_grad(), common.autocast(device, dtype):
         t = bench.timeit({"sparse": lambda: model(x, sparse=True), "dense": lambda: model(x)}, device, repeats)
-    return ms, t["dense"] / t["sparse"], routing
+    return ms, t["dense"] / t["sparse"], f"trained (out/{name}-classroom)" if os.path.exists(ckpt) else "untrained"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
-    p.add_argument("--models", nargs="+", default=list(TEST_FILES))
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", default="")
     args = p.parse_args()
     device = common.pick_device(args.device)
     machine = f"{device.type}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
                                   f" ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")
-    rows = []
     print(f"| model | device | dtype | contract tests (pass / fail / skip) | train ms/iter (classroom) | "
           f"sparse ÷ dense-hard speed | routing |\n|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
-        for name in args.models:
+        for name in TEST_FILES:
             ok, bad, skip = contract(name, f"{device.type}-{dtype}")
             ms, ratio, routing = speed(name, device, dtype, args.repeats)
-            rows.append(dict(model=name, device=machine, dtype=dtype, passed=ok, failed=bad, skipped=skip, train_ms=ms,
-                             sparse_over_dense=ratio, routing=routing, torch=torch.__version__))
             print(f"| {name} | {machine} | {dtype} | {ok} / {bad} / {skip} | {ms:.1f} | "
                   f"{'–' if ratio != ratio else f'{ratio:.2f}×'} | {routing} |", flush=True)
-    if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,8 @@ The DTRNet reproduction of results/dtrnet.md: dense GPT vs DTRNet bilayer vs tri
 import json
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dtrnet.py, not this script
-from compare import ROOT, evals, load, md_table, study_cli, train_run  # noqa: E402
+from compare import ROOT, evals, load, md_table, study_cli, train_run
 
 FLAGS = ("--dataset=shakespeare --n_layer=7 --n_head=4 --n_embd=96 --block_size=256 --batch_size=12 --max_iters=600 "
          "--warmup_iters=50 --learning_rate=2e-3 --min_lr=1e-4 --eval_interval=600 --eval_iters=20 "

@@ -9,10 +9,8 @@ The hybrid GDN/softmax reproduction of results/hybrid.md: static `G G G S` vs dy
 import glob
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # hybrid_attn.py etc.
-from compare import ROOT, evals, md_table, study_cli, train_run  # noqa: E402
+from compare import ROOT, evals, md_table, study_cli, train_run
 
 FLAGS = ("--model=hybrid --dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --block_size=128 --batch_size=8 "
          "--learning_rate=2e-3 --eval_iters=10 --log_interval=10").split()
