@@ -173,8 +173,7 @@ def budget_k(rho, T):
 
 
 def topk_mask(u, k):
-    """Exact top-k per sequence: (B, T) scores -> (B, T) bool, exactly k True per row."""
-    return torch.zeros_like(u, dtype=torch.bool).scatter_(-1, u.topk(k, dim=-1).indices, True)
+    return torch.zeros_like(u, dtype=torch.bool).scatter_(-1, u.topk(k, dim=-1).indices, True)  # (B, T): k True per row
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,9 +218,7 @@ class CondDepthLM(common.LM):
         self.mode = cfg.mode                                         # switchable (tests, experiments)
         self.label_now = False                                       # oracle labels this step? (on_step)
         self.last_masks = []                                         # per layer (B, T): the last forward's routing
-        self.last_scores = []
-        self.fold_key = None                                         # folds(): the gates' parameters it was made from
-        self.fold_cache = None
+        self.folded = (None, [])                                     # folds(): (the gates' parameters, their folds)
 
     def train(self, mode=True):
         """controller_only freezes the backbone in training; in eval all but T require grad, so autocast casts once."""
@@ -252,7 +249,6 @@ class CondDepthLM(common.LM):
         h, r = self.controlled(x, topk, sparse, targets is not None)
         logits, lm_loss = self.head(h, targets)
         self.last_masks = r["m"]
-        self.last_scores = [u.detach() for u in r["u"]]
         if lm_loss is None:                                          # inference: no statistics to pay for
             return logits, None, {}
         loss, stats = total_loss(self, x, targets, lm_loss, r)       # eq. (19)
@@ -320,11 +316,10 @@ class CondDepthLM(common.LM):
     def folds(self):
         """Every gate's inference form (GateG3.fold) in fp32, made again only when a gate parameter changed."""
         key = [(p._version, p.data_ptr(), p.dtype) for p in self.gates.parameters()]
-        if key != self.fold_key:
+        if key != self.folded[0]:
             with torch.autocast(self.wte.weight.device.type, enabled=False):
-                self.fold_cache = [g.fold() if self.cfg.gate == "G3" else () for g in self.gates]
-            self.fold_key = key
-        return self.fold_cache
+                self.folded = (key, [g.fold() if self.cfg.gate == "G3" else () for g in self.gates])
+        return self.folded[1]
 
     @torch.no_grad()
     def routing_map(self, idx):
@@ -466,11 +461,9 @@ def sparse_ffn(block, cheap, a, m):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Cached decoding (state = (a KVCache per layer, the position as a 0-d tensor, the gates' inference form))
+# Cached decoding: every layer caches every token's K/V; state = (the KVCaches, the position (0-d), the folds)
 
 class Model(CondDepthLM):
-    """CondDepthLM with cached decoding: every token's K/V is cached at every layer (attention is unchanged)."""
-
     sparse_ffn = staticmethod(sparse_ffn)                            # model.sparse_ffn: bench.py times it
 
     @torch.no_grad()

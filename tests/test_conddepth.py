@@ -2,7 +2,6 @@
 Each test says which bug it guards against; every one was planted and seen to fail (see results/conddepth.md)."""
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -73,6 +72,21 @@ def replay(m, x):
         out.append(dict(a=a, u=u, qf=qf, qc=qc, m=mask, p=torch.sigmoid(u / cfg.tau), h_full=h_full, h_cheap=h_cheap))
         h = torch.where(mask[..., None], h_full, h_cheap)               # eq. (9)'s forward value
     return out
+
+
+def scored(m, *args, **kw):
+    """m(*args, **kw) and each controlled layer's score u (B, T), detached, as that forward's routing saw it."""
+    seen, controller = [], m.controller
+
+    def spy(*a):
+        seen.append(controller(*a))
+        return seen[-1]
+    m.controller = spy
+    try:
+        out = m(*args, **kw)
+    finally:
+        del m.controller
+    return out, [u.detach() for u, _ in seen[:m.cfg.n_controlled]]  # eval with targets also runs the top-k
 
 
 def agree(a_masks, b_masks):
@@ -238,8 +252,7 @@ def test_ops_per_call_within_the_bars(gate, controller_only):
     ref = op_counts(dense)
     assert (ref["forward"], ref["step"]) == (79, 95)                  # the dense GPT's counts the bars are set from
     with torch.no_grad():  # mixed routing: θ = the median score of the layer on this batch (a fresh θ is +inf)
-        m(data(B=8, T=256)[0])
-        m.thresholds.copy_(torch.stack([u.median() for u in m.last_scores]))
+        m.thresholds.copy_(torch.stack([u.median() for u in scored(m, data(B=8, T=256)[0])[1]]))
     ours = op_counts(m)
     assert 0.3 < torch.stack(m.last_masks).float().mean() < 0.7
     C = cfg.n_controlled
@@ -342,8 +355,8 @@ def test_training_routes_exact_topk_whatever_the_thresholds(rho, T, k):
     m = make(rho=rho).train()
     m.thresholds.fill_(math.inf)  # causal routing would send every token cheap
     x, y = data(T=T)
-    _, _, stats = m(x, y)
-    for mask, u in zip(m.last_masks, m.last_scores):
+    (_, _, stats), scores = scored(m, x, y)
+    for mask, u in zip(m.last_masks, scores):
         assert mask.sum(-1).tolist() == [k] * x.size(0)  # exactly k full tokens in every sequence
         assert (u.masked_fill(~mask, -1e9).topk(k, -1).values == u.topk(k, -1).values).all()
     assert abs(stats["full_ratio"].item() - k / T) < 1e-6
@@ -358,8 +371,7 @@ def test_thresholds_are_a_running_average_of_the_topk_cut():
     m.train()
     cuts = []
     for s in range(25):
-        m(data(B=2, seed=s)[0])
-        v = torch.stack(m.last_scores).flatten(1).sort(-1, descending=True).values  # (C, B·T)
+        v = torch.stack(scored(m, data(B=2, seed=s)[0])[1]).flatten(1).sort(-1, descending=True).values  # (C, B·T)
         kb = 2 * cd.budget_k(0.25, 32)
         cuts.append((v[:, kb - 1] + v[:, kb]) / 2)  # between the last full and the first cheap score
         if s == 2:
@@ -373,9 +385,9 @@ def test_thresholds_are_a_running_average_of_the_topk_cut():
     m.mode = "topk"
     m(x)
     m.mode = "causal"
-    m(x)  # eval routes by u > θ, and eval never moves θ, whatever the mode
+    scores = scored(m, x)[1]  # eval routes by u > θ, and eval never moves θ, whatever the mode
     assert torch.equal(m.thresholds, before)
-    assert all(torch.equal(mk, u > t) for mk, u, t in zip(m.last_masks, m.last_scores, m.thresholds))
+    assert all(torch.equal(mk, u > t) for mk, u, t in zip(m.last_masks, scores, m.thresholds))
     assert abs(torch.stack(m.last_masks).float().mean() - 0.25) < 0.1  # held-out tokens: near the budget
     fresh = make(rho=0.25)
     fresh.load_state_dict(m.state_dict())  # θ travels in the checkpoint
@@ -445,8 +457,7 @@ def test_init_spreads_the_scores_and_the_actions():
 def test_gate_reads_the_post_attention_state_and_the_head_its_three_inputs(gate):
     m = make(gate=gate).train()
     x, _ = data()
-    m(x)
-    for ref, u in zip(replay(m, x), m.last_scores):
+    for ref, u in zip(replay(m, x), scored(m, x)[1]):
         assert torch.allclose(u, ref["u"].float() if u.dtype == torch.float32 else ref["u"], atol=1e-10)
 
 
