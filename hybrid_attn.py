@@ -66,13 +66,11 @@ class Config(common.Config):
             raise NanorouteError(f"pattern {self.pattern!r}: unknown layer {bad[0]!r}; use G (GDN), R (routed), S (softmax)")
         if letters[0] == "R":
             raise NanorouteError(f"pattern {self.pattern!r}: layer 0 cannot be routed (the router reads its output)")
-        if self.balance < 0:
-            raise NanorouteError(f"balance (α) must be >= 0, got {self.balance}")
         if not (self.tau_start > 0 and self.tau_end > 0):
             raise NanorouteError(f"Gumbel temperatures must be > 0, got tau_start={self.tau_start}, tau_end={self.tau_end}")
-        for name in ("gdn_head_dim", "gdn_expand_v", "chunk_size"):
-            if getattr(self, name) < (0 if name == "gdn_head_dim" else 1):
-                raise NanorouteError(f"{name} must be >= {0 if name == 'gdn_head_dim' else 1}, got {getattr(self, name)}")
+        for name, low in (("balance", 0), ("gdn_head_dim", 0), ("gdn_expand_v", 1), ("chunk_size", 1)):
+            if getattr(self, name) < low:
+                raise NanorouteError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
     @property
     def kinds(self):
@@ -266,20 +264,6 @@ class GatedDeltaNet(nn.Module):
         return None if o is None else self.read(o, gate[:, None])
 
 
-def attn_prefill(attn, h, cache):
-    """Causal softmax attention over every token of h (B, T, C), its K/V kept in a preallocated KVCache."""
-    q, k, v = attn.qkv(h)                                                          # (B, nh, T, hs)
-    cache["kv"] = common.KVCache(h.size(0), cache["block_size"], k, v)
-    return attn.resid_dropout(attn.c_proj(attn.attend(q, k, v)))
-
-
-def attn_step(attn, h, cache, pos, mask, read=True):
-    """One token at position pos (0-d tensor): its K/V go into the cache; its query attends only if read."""
-    q, k, v = attn.qkv(h)                                                          # (B, nh, 1, hs)
-    k, v = cache["kv"].append(pos, k, v)                                           # (B, nh, S, hs), masked
-    return attn.c_proj(attn.attend(q, k, v, attn_mask=mask)) if read else None
-
-
 class Layer(nn.Module):
     """Pre-norm mixer + pre-norm MLP; kind G has `gdn`, S has `attn` (names as common.Block), R has both."""
 
@@ -301,7 +285,10 @@ class Layer(nn.Module):
         if self.kind == "G":
             mix = self.gdn(h, cache)
         elif self.kind == "S":
-            mix = self.attn(h) if cache is None else attn_prefill(self.attn, h, cache)
+            q, k, v = self.attn.qkv(h)                                              # (B, nh, T, hs)
+            if cache is not None:                                                   # prefill: K/V into a KVCache
+                cache["kv"] = common.KVCache(x.size(0), cache["block_size"], k, v)
+            mix = self.attn.resid_dropout(self.attn.c_proj(self.attn.attend(q, k, v)))
         elif plan is None:
             mix = y[..., :1] * self.gdn(h) + y[..., 1:] * self.attn(h)             # (B, T, C)
         else:
@@ -313,13 +300,14 @@ class Layer(nn.Module):
         """One token (B, 1, C) at position pos; soft (B, 1): kind R's decision; reads: which outputs to run."""
         h = self.ln_1(x)
         h = h.to(matmul_dtype(h))
-        if self.kind == "G":
-            mix = self.gdn.step(h, cache)
-        elif self.kind == "S":
-            mix = attn_step(self.attn, h, cache, pos, mask)
-        else:
-            g, a = self.gdn.step(h, cache, reads[0]), attn_step(self.attn, h, cache, pos, mask, reads[1])
-            mix = a if g is None else g if a is None else torch.where(soft[..., None], a, g)
+        g = a = None                                                                # (B, 1, C) each, if run
+        if self.kind in "GR":
+            g = self.gdn.step(h, cache, reads[0])
+        if self.kind in "SR":  # every token's K/V go into the cache; its query attends only if read
+            q, k, v = self.attn.qkv(h)                                              # (B, nh, 1, hs)
+            k, v = cache["kv"].append(pos, k, v)                                    # (B, nh, S, hs), masked
+            a = self.attn.c_proj(self.attn.attend(q, k, v, attn_mask=mask)) if reads[1] else None
+        mix = a if g is None else g if a is None else torch.where(soft[..., None], a, g)
         x = x + mix
         return x + self.mlp(self.ln_2(x))
 
@@ -343,7 +331,6 @@ class Model(common.LM):
             gdn.reset_gdn_parameters()
 
     def on_step(self, it):
-        """Anneal τ geometrically from tau_start (step 0) to tau_end (max_iters)."""
         c = self.cfg
         self.tau.fill_(c.tau_start * (c.tau_end / c.tau_start) ** min(1.0, it / max(1, c.max_iters)))
 
@@ -455,15 +442,12 @@ def sparse_plan(hard, dtype):
     tokens, then its softmax ones, each in position order: GDN reads take slots [0, n_gdn), softmax reads
     [T − n_soft, T), so a row with fewer of a kind fills its slots with the other kind's. dump: order, with the
     softmax slots that hold a GDN token sent to row T (thrown away)."""
-    B, T = hard.shape[:2]
+    T = hard.size(1)
     kind, order = hard[..., 1].sort(dim=1, stable=True)                            # (B, T, nR): GDN first
-    counts = kind.sum(1).tolist()                                                  # (B, nR) softmax tokens: the sync
+    counts = kind.sum(1).T.tolist()                                                # (nR, B) softmax tokens: the sync
     dump = order.masked_fill(kind < 0.5, T)
-    plans = []
-    for r in range(hard.size(2)):
-        c = [int(row[r]) for row in counts]
-        plans.append((order[..., r], dump[..., r], T - min(c), max(c), causal_mask(T, dtype, hard.device)))
-    return plans
+    mask = causal_mask(T, dtype, hard.device)
+    return [(order[..., r], dump[..., r], T - int(min(c)), int(max(c)), mask) for r, c in enumerate(counts)]
 
 
 def sparse_mix(layer, h, plan, cache=None):
@@ -551,12 +535,10 @@ def flops_gdn(cfg):
 
 
 def flops_per_token(cfg, T, soft_frac=0.0, sparse=False):
-    """Forward FLOPs per token. soft_frac: fraction of tokens routed to softmax, one number (or 0-d tensor)
-    for every routed layer or a sequence with one per routed layer. Dense-hard runs both mixers on every
-    token of a routed layer; sparse runs what the module docstring lists."""
+    """Forward FLOPs per token; soft_frac: the share of tokens routed to softmax (a list: one per routed layer).
+    Dense-hard runs both mixers on every token of a routed layer; sparse runs what the module docstring lists."""
     d = cfg.n_embd
-    fracs = list(soft_frac) if isinstance(soft_frac, (list, tuple)) or getattr(soft_frac, "ndim", 0) else \
-        [soft_frac] * cfg.kinds.count("R")
+    fracs = soft_frac if isinstance(soft_frac, (list, tuple)) else [soft_frac] * cfg.kinds.count("R")
     kv = 2 * common.flops_qkv(d) / 3                                                # K, V: every token
     q_scores_out = common.flops_qkv(d) / 3 + common.flops_attn_scores(d, common.mean_context(T)) \
         + common.flops_attn_out(d)                                                  # what a softmax query adds
