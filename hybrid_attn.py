@@ -250,17 +250,21 @@ class GatedDeltaNet(nn.Module):
         """One token h (B, 1, C): one matmul for every projection, conv and state updated in place; read or not."""
         B, H, K, V = h.size(0), self.H, self.K, self.V
         y = F.linear(h[:, 0].to(cache["w"].dtype), cache["w"])                      # (B, ch + 2H + HV)
-        p, a, b, gate = y.split([H * (2 * K + V), H, H, H * V], -1)
-        S = cache["S"]                                                              # (B, H, K, V) fp32
+        p, ab, gate = y.split([H * (2 * K + V), 2 * H, H * V], -1)
+        S = cache["S"].view(B * H, K, V)                                            # fp32, updated in place
         with torch.autocast(h.device.type, enabled=False):
             z = torch.addcmul(cache["conv"], p[..., None], cache["taps"])           # (B, ch, 4): z_t, next sums
             cache["conv"][..., :3].copy_(z[..., 1:])
             z = F.silu(z[..., 0])                                                   # (B, ch) fp32
             q, k = F.normalize(z[:, :2 * H * K].unflatten(-1, (2, H, K)), dim=-1, eps=1e-6).unbind(1)  # (B, H, K)
-            S.mul_(torch.exp(cache["neg_A"] * F.softplus(a + self.dt_bias))[..., None, None])  # S ← e^g S
-            u = (z[:, 2 * H * K:].view(B, H, 1, V) - k[:, :, None] @ S) * torch.sigmoid(b.to(S.dtype))[..., None, None]
-            S.addcmul_(k[..., None], u)                                             # S ← S + k uᵀ
-            o = q[:, :, None] @ S if read else None                                 # (B, H, 1, V)
+            # e^g = exp(−A·softplus(W_a x + dt_bias)) = σ(−W_a x − dt_bias)^A: W_a is stored negated, so one add
+            # (which also promotes to fp32) and one sigmoid give the decay's base and β together
+            s = torch.sigmoid(ab + cache["ab_bias"])                                # (B, 2H): σ(−a − dt_bias), β
+            S.mul_(s[:, :H].pow(cache["A"]).view(B * H, 1, 1))                      # S ← e^g S
+            v = z[:, 2 * H * K:].reshape(B * H, 1, V)                                  # a view at B=1, a copy above
+            u = torch.baddbmm(v, k.reshape(B * H, 1, K), S, alpha=-1)               # v − Sᵀk
+            S.baddbmm_(k.reshape(B * H, K, 1), u * s[:, H:].reshape(B * H, 1, 1))   # S ← S + k (β(v − Sᵀk))ᵀ
+            o = (q.reshape(B * H, 1, K) @ S).view(B, H, 1, V) if read else None     # Sᵀq
         return None if o is None else self.read(o, gate[:, None])
 
 
@@ -491,7 +495,8 @@ def sparse_mix(layer, h, plan, cache=None):
 def gdn_decode_cache(gdn, cache, S, p, dtype):
     """At prefill, what GDN.step needs: the state S (B, H, K, V) and the conv's partial sums, both updated in
     place (fixed addresses: a CUDA graph replays on them); the joined projections [W_qkv; W_a; W_b; W_g] in the
-    matmul dtype and −e^{A_log}, made here once instead of every token. p: the conv inputs (B, ch, T)."""
+    matmul dtype (W_a negated) with the bias [−dt_bias, 0] of the decay and β gates, and A = e^{A_log}, made here
+    once instead of every token. p: the conv inputs (B, ch, T)."""
     ch, f32 = p.size(1), S.dtype
     with torch.autocast(p.device.type, enabled=False):
         tail = F.pad(p, (3, 0))[..., -3:].to(f32)                                   # last 3 conv inputs (B, ch, 3)
@@ -500,8 +505,9 @@ def gdn_decode_cache(gdn, cache, S, p, dtype):
     cache["conv"] = F.pad(sums, (0, 1))                                             # (B, ch, 4); slot 3 stays 0
     cache["taps"] = gdn.conv.weight[:, 0].flip(-1).to(f32)                          # (ch, 4): w₃ (z_t), w₂, w₁, w₀
     cache["S"] = S.contiguous()
-    cache["w"] = torch.cat([gdn.qkv_proj.weight, gdn.a_proj.weight, gdn.b_proj.weight, gdn.g_proj.weight]).to(dtype)
-    cache["neg_A"] = -gdn.A_log.exp()
+    cache["w"] = torch.cat([gdn.qkv_proj.weight, -gdn.a_proj.weight, gdn.b_proj.weight, gdn.g_proj.weight]).to(dtype)
+    cache["ab_bias"] = torch.cat([-gdn.dt_bias, torch.zeros_like(gdn.dt_bias)]).to(f32)
+    cache["A"] = gdn.A_log.exp().to(f32)
     for t in (cache["S"], cache["conv"]):
         torch._dynamo.mark_static_address(t)
 
