@@ -261,7 +261,7 @@ class GatedDeltaNet(nn.Module):
             # (which also promotes to fp32) and one sigmoid give the decay's base and β together
             s = torch.sigmoid(ab + cache["ab_bias"])                                # (B, 2H): σ(−a − dt_bias), β
             S.mul_(s[:, :H].pow(cache["A"]).view(B * H, 1, 1))                      # S ← e^g S
-            v = z[:, 2 * H * K:].reshape(B * H, 1, V)                                  # a view at B=1, a copy above
+            v = z[:, 2 * H * K:].reshape(B * H, 1, V)                                 # a view at B=1, a copy above
             u = torch.baddbmm(v, k.reshape(B * H, 1, K), S, alpha=-1)               # v − Sᵀk
             S.baddbmm_(k.reshape(B * H, K, 1), u * s[:, H:].reshape(B * H, 1, 1))   # S ← S + k (β(v − Sᵀk))ᵀ
             o = (q.reshape(B * H, 1, K) @ S).view(B, H, 1, V) if read else None     # Sᵀq

@@ -444,7 +444,8 @@ def main():
     p.add_argument("--seeds", default="1,2,3", help="curve, grid")
     p.add_argument("--model", choices=["gpt", "tsa"], default="gpt", help="grid")
     p.add_argument("--branches", default="calibrate,soft,train,frozen", help="proxy")
-    p.add_argument("--shares", default="0.87,0.73,0.7,0.6,0.4,0.25", help="curve: exec_share values (TLOps saved: 8-45%%)")
+    p.add_argument("--shares", default="0.87,0.73,0.7,0.6,0.4,0.25",
+                   help="curve: exec_share values (TLOps saved, measured: 8.6-40.4%%)")
     p.add_argument("--dropouts", default="0.0,0.1,0.2", help="grid")
     p.add_argument("--lrs", default="3e-4,1e-3", help="grid")
     p.add_argument("--eval_iters", type=int, default=30, help="eval")
