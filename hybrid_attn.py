@@ -234,25 +234,25 @@ class GatedDeltaNet(nn.Module):
             gdn_decode_cache(self, cache, S, p, h.dtype)
         return o
 
-    def read(self, o, gate, token_major=False):
+    def read(self, o, gate, token_major=False, out=None):
         """o (B, H, n, V) fp32 = Sᵀq and gate (B, n, H·V) = W_g x of n tokens -> (B, n, C); token_major: gate
-        (n, B, H·V) -> (n, B, C). q was not scaled by K^−½ in write(): RMSNorm(o·K^−½, ε) = RMSNorm(o, K·ε)."""
+        (n, B, H·V) -> (n, B, C). q was not scaled by K^−½ in write(): RMSNorm(o·K^−½, ε) = RMSNorm(o, K·ε).
+        out: a buffer in the matmul dtype for the gated product (the decode step's), sparing W_o its input cast."""
         o = F.rms_norm(o, (self.V,), self.norm_weight.to(o.dtype), eps=1e-6 * self.K)     # per head
         o = o.permute(2, 0, 1, 3) if token_major else o.transpose(1, 2)            # (n, B, H, V) | (B, n, H, V)
-        o = F.silu(gate).unflatten(-1, (self.H, self.V)) * o  # the gate first: the product takes its layout
+        o = torch.mul(F.silu(gate).unflatten(-1, (self.H, self.V)), o, out=out)  # the gate first: its layout
         return self.drop(self.c_proj(o.flatten(-2)))
 
     def forward(self, h, cache=None):
         return self.read(self.write(h, cache), self.g_proj(h))
 
     @torch.no_grad()
-    def step(self, h, cache, read=True):
-        """One token h (B, 1, C): one matmul for every projection, conv and state updated in place; read or not."""
-        B, H, K, V = h.size(0), self.H, self.K, self.V
-        y = F.linear(h[:, 0].to(cache["w"].dtype), cache["w"])                      # (B, ch + 2H + HV)
-        p, ab, gate = y.split([H * (2 * K + V), 2 * H, H * V], -1)
+    def step(self, y, cache, read=True):
+        """One token's projections y = h cache["w"]ᵀ (B, 1, ·), GDN's first: conv and state updated in place."""
+        B, H, K, V = y.size(0), self.H, self.K, self.V
+        p, ab, gate = y[:, 0, :cache["rows"]].split([H * (2 * K + V), 2 * H, H * V], -1)
         S = cache["S"].view(B * H, K, V)                                            # fp32, updated in place
-        with torch.autocast(h.device.type, enabled=False):
+        with torch.autocast(y.device.type, enabled=False):
             z = torch.addcmul(cache["conv"], p[..., None], cache["taps"])           # (B, ch, 4): z_t, next sums
             cache["conv"][..., :3].copy_(z[..., 1:])
             z = F.silu(z[..., 0])                                                   # (B, ch) fp32
@@ -265,7 +265,7 @@ class GatedDeltaNet(nn.Module):
             u = torch.baddbmm(v, k.reshape(B * H, 1, K), S, alpha=-1)               # v − Sᵀk
             S.baddbmm_(k.reshape(B * H, K, 1), u * s[:, H:].reshape(B * H, 1, 1))   # S ← S + k (β(v − Sᵀk))ᵀ
             o = (q.reshape(B * H, 1, K) @ S).view(B, H, 1, V) if read else None     # Sᵀq
-        return None if o is None else self.read(o, gate[:, None])
+        return None if o is None else self.read(o, gate[:, None], out=cache["read"])
 
 
 class Layer(nn.Module):
@@ -305,10 +305,11 @@ class Layer(nn.Module):
         h = self.ln_1(x)
         h = h.to(matmul_dtype(h))
         g = a = None                                                                # (B, 1, C) each, if run
+        y = self.attn.c_attn(h) if self.kind == "S" else F.linear(h, cache["w"], cache["b"])  # one matmul
         if self.kind in "GR":
-            g = self.gdn.step(h, cache, reads[0])
+            g = self.gdn.step(y, cache, reads[0])
         if self.kind in "SR":  # every token's K/V go into the cache; its query attends only if read
-            q, k, v = self.attn.qkv(h)                                              # (B, nh, 1, hs)
+            q, k, v = (self.attn.split_heads(t) for t in y[..., -3 * x.size(-1):].chunk(3, -1))  # (B, nh, 1, hs)
             k, v = cache["kv"].append(pos, k, v)                                    # (B, nh, S, hs), masked
             a = self.attn.c_proj(self.attn.attend(q, k, v, attn_mask=mask)) if reads[1] else None
         mix = a if g is None else g if a is None else torch.where(soft[..., None], a, g)
@@ -474,8 +475,10 @@ def sparse_mix(layer, h, plan, cache=None):
     if n_soft or cache is not None:
         kv = F.linear(h, w[C:], None if b is None else b[C:])
         k, v = (attn.split_heads(t) for t in kv.split(C, -1))                      # (B, nh, T, hs) every token
-        if cache is not None:
+        if cache is not None:  # the step's one matmul gives GDN's projections and then Q, K, V
             cache["kv"] = common.KVCache(B, cache["block_size"], k, v)
+            cache["w"] = torch.cat([cache["w"], w])
+            cache["b"] = None if b is None else F.pad(b.to(h.dtype), (cache["rows"], 0))
     if n_soft:
         q = F.linear(hs[T - n_soft:], w[:C], None if b is None else b[:C])         # (n_soft, B, C)
         q = attn.split_heads(q.transpose(0, 1))                                    # (B, nh, n_soft, hs)
@@ -495,8 +498,8 @@ def sparse_mix(layer, h, plan, cache=None):
 def gdn_decode_cache(gdn, cache, S, p, dtype):
     """At prefill, what GDN.step needs: the state S (B, H, K, V) and the conv's partial sums, both updated in
     place (fixed addresses: a CUDA graph replays on them); the joined projections [W_qkv; W_a; W_b; W_g] in the
-    matmul dtype (W_a negated) with the bias [−dt_bias, 0] of the decay and β gates, and A = e^{A_log}, made here
-    once instead of every token. p: the conv inputs (B, ch, T)."""
+    matmul dtype (W_a negated; a routed layer appends attention's W_qkv) with the bias [−dt_bias, 0] of the decay
+    and β gates, and A = e^{A_log}, made here once instead of every token. p: the conv inputs (B, ch, T)."""
     ch, f32 = p.size(1), S.dtype
     with torch.autocast(p.device.type, enabled=False):
         tail = F.pad(p, (3, 0))[..., -3:].to(f32)                                   # last 3 conv inputs (B, ch, 3)
@@ -506,23 +509,28 @@ def gdn_decode_cache(gdn, cache, S, p, dtype):
     cache["taps"] = gdn.conv.weight[:, 0].flip(-1).to(f32)                          # (ch, 4): w₃ (z_t), w₂, w₁, w₀
     cache["S"] = S.contiguous()
     cache["w"] = torch.cat([gdn.qkv_proj.weight, -gdn.a_proj.weight, gdn.b_proj.weight, gdn.g_proj.weight]).to(dtype)
+    cache["rows"], cache["b"] = cache["w"].size(0), None
+    cache["read"] = S.new_empty(S.size(0), 1, gdn.H, gdn.V, dtype=dtype)           # W_o's input, written by read()
     cache["ab_bias"] = torch.cat([-gdn.dt_bias, torch.zeros_like(gdn.dt_bias)]).to(f32)
     cache["A"] = gdn.A_log.exp().to(f32)
-    for t in (cache["S"], cache["conv"]):
+    for t in (cache["S"], cache["conv"], cache["read"]):
         torch._dynamo.mark_static_address(t)
 
 
 def decode_routes(model, h0, pos):
     """One decode step's routes, {layer i: (soft (B, 1) bool, reads (GDN?, softmax?))}. Eager: one host sync per
-    token finds the reads any row needs (B=1: exactly one). Compiled: both reads, torch.where picks per row:
-    one graph for every token, no sync (what a CUDA graph replays)."""
+    token finds the reads any row needs (B=1: the two logits, exactly one read, soft None). Compiled: both reads,
+    torch.where picks per row: one graph for every token, no sync (what a CUDA graph replays)."""
+    eager = not torch.compiler.is_compiling()
     if model.forced_route is not None:
         soft = model.forced_route.index_select(1, pos.view(1))
     else:
         z = model.logits(h0)                                                       # (B, 1, nR, 2)
+        if eager and h0.size(0) == 1:  # the host compares the logits itself: no soft tensor, no sum
+            return {i: (None, (not z1 > z0, z1 > z0)) for i, (z0, z1) in zip(model.routed, z.view(-1, 2).tolist())}
         soft = z[..., 1] > z[..., 0]                                               # argmax, a tie to GDN
     reads = [(True, True)] * soft.size(-1)                                         # compiled: both, no sync
-    if not torch.compiler.is_compiling():
+    if eager:
         n = soft.sum((0, 1)).tolist()                                              # (nR,) rows reading softmax
         reads = [(c < soft.size(0), c > 0) for c in n]
     return {i: (soft[:, :, r], reads[r]) for r, i in enumerate(model.routed)}

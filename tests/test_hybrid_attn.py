@@ -192,7 +192,9 @@ def test_gdn_layer_matches_equations_float64(path):
             out = gdn(x)
         else:
             cache = {}
-            out = torch.cat([gdn(x[:, :1], cache)] + [gdn.step(x[:, t:t + 1], cache) for t in range(1, 19)], 1)
+            out = [gdn(x[:, :1], cache)]
+            out += [gdn.step(F.linear(x[:, t:t + 1], cache["w"]), cache) for t in range(1, 19)]  # y = h Wᵀ
+            out = torch.cat(out, 1)
     assert torch.allclose(out, ref, atol=1e-10, rtol=1e-8), (out - ref).abs().max()
 
 
@@ -205,7 +207,7 @@ def test_gdn_layer_decode_step_matches_forward():
     full = gdn(x)
     cache = {}
     out = [gdn(x[:, :2], cache)]  # prefill 2 tokens (fewer than the conv's 3-token tail), then step
-    out += [gdn.step(x[:, t:t + 1], cache) for t in range(2, 11)]
+    out += [gdn.step(F.linear(x[:, t:t + 1], cache["w"]), cache) for t in range(2, 11)]
     assert torch.allclose(torch.cat(out, 1), full, atol=1e-10)
 
 
@@ -566,3 +568,31 @@ def test_cli_smoke(data_dir, tmp_path):
     bad = subprocess.run(cmd[:-2] + ["--pattern=G X R S", f"--data_dir={data_dir}", f"--out_dir={out}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown layer" in bad.stderr
+
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_compiled_decode_step_has_fixed_shapes(B):
+    """torch.compile(model.step) decodes greedily token for token like eager in one graph that no token
+    recompiles (both reads run, torch.where picks per row: no host decision inside), and on random tokens, which
+    take both reads, its logits equal the eager step's (which at B=1 runs one read, chosen on the host)."""
+    from conftest import compiled_decode_matches
+    torch.manual_seed(0)
+    m = H.Model(tiny(block_size=32)).eval()
+    with torch.no_grad():
+        m.router.weight.mul_(10)
+    prompt = torch.randint(0, 40, (B, 5), generator=torch.Generator().manual_seed(B))
+    assert compiled_decode_matches(m, prompt, n=12) == 1
+    x = torch.randint(0, 40, (B, 24), generator=torch.Generator().manual_seed(B))
+    soft = m.route(m.blocks[0](m.embed(x)))[2][:, 5:, :, 1]                        # (B, 19, nR)
+    assert 0 < soft.mean() < 1
+    out = []
+    with torch.no_grad():
+        for step in (m.step, torch.compile(m.step, backend="aot_eager")):
+            logits, state = m.prefill(x[:, :5])
+            steps = [logits]
+            for t in range(5, 24):
+                logits, state = step(x[:, t:t + 1], state)
+                steps.append(logits)
+            out.append(torch.stack(steps, 1))                                       # (B, 20, V)
+    assert torch.allclose(out[0], out[1], atol=1e-5), (out[0] - out[1]).abs().max()
