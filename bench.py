@@ -590,7 +590,7 @@ def bench_conddepth(args, device, rows):
 
         @torch.no_grad()
         def ffn_sparse():
-            model.sparse_ffn(block, cheap, a, m)
+            cd.sparse_ffn(block, cheap, a, m)
         t = timeit({"dense": ffn_dense, "sparse": ffn_sparse}, device, args.repeats)
         d, dff = cfg.n_embd, 4 * cfg.n_embd
         ffn, chp = common.flops_ffn(d, dff), common.flops_ffn(d, cfg.cheap_rank)

@@ -46,12 +46,10 @@ import common
 from common import NanorouteError
 
 # recipe -> the fields it sets (paper §3.4). Standard = G1 / G3; A1 no JEPA; A2 deranged targets; A3 no util/rank.
-RECIPES = {
-    "G1": dict(gate="G1"), "G3": dict(gate="G3"),
-    "A1": dict(gate="G3", lam_jepa=0.0), "A2": dict(gate="G3", shuffle_targets=True),
-    "A3-G1": dict(gate="G1", lam_util=0.0, lam_rank=0.0), "A3-G3": dict(gate="G3", lam_util=0.0, lam_rank=0.0),
-    "A4-0.25": dict(gate="G3", lam_jepa=0.25), "A4-2": dict(gate="G3", lam_jepa=2.0),
-}
+RECIPES = {"G1": dict(gate="G1"), "G3": dict(gate="G3"), "A1": dict(gate="G3", lam_jepa=0.0),
+           "A2": dict(gate="G3", shuffle_targets=True), "A3-G1": dict(gate="G1", lam_util=0.0, lam_rank=0.0),
+           "A3-G3": dict(gate="G3", lam_util=0.0, lam_rank=0.0), "A4-0.25": dict(gate="G3", lam_jepa=0.25),
+           "A4-2": dict(gate="G3", lam_jepa=2.0)}
 THRESHOLD_EMA = 0.05  # θ_l: a cumulative mean over the first 20 batches, then a running average over ~20
 
 
@@ -99,15 +97,14 @@ class Config(common.Config):
                 raise NanorouteError(f"recipe {self.recipe} sets {k}={v}; {k}={getattr(self, k)} contradicts it")
             setattr(self, k, v)
         super().__post_init__()
-        if not 0.0 < self.rho <= 1.0:
-            raise NanorouteError(f"rho (the full-path budget) must be in (0, 1], got {self.rho}")
-        if not 1 <= self.n_controlled <= self.n_layer:
-            raise NanorouteError(f"n_controlled must be in [1, n_layer={self.n_layer}], got {self.n_controlled}")
-        for name, allowed in (("gate", ("G1", "G3")), ("mode", ("causal", "topk"))):
-            if getattr(self, name) not in allowed:
-                raise NanorouteError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.tau <= 0 or self.cheap_rank < 1 or self.oracle_window < 1 or self.label_every < 1:
-            raise NanorouteError("tau, cheap_rank, oracle_window and label_every must be positive")
+        checks = {"rho": (0.0 < self.rho <= 1.0, "in (0, 1]"), "gate": (self.gate in ("G1", "G3"), "G1 or G3"),
+                  "n_controlled": (1 <= self.n_controlled <= self.n_layer, f"in [1, n_layer={self.n_layer}]"),
+                  "mode": (self.mode in ("causal", "topk"), "causal or topk")}
+        for k in ("tau", "cheap_rank", "oracle_window", "label_every"):
+            checks[k] = (getattr(self, k) > 0, "> 0")
+        for name, (ok, want) in checks.items():
+            if not ok:
+                raise NanorouteError(f"{name} must be {want}, got {getattr(self, name)!r}")
 
 
 PRESETS = {"paper": dict(n_layer=12, n_embd=640, n_head=10, block_size=256, n_controlled=4, cheap_rank=80,
@@ -128,7 +125,7 @@ class GateG1(nn.Module):
         self.w1 = nn.Linear(cfg.n_embd, h)
         self.w2 = nn.Linear(h, 1)
 
-    def forward(self, a):
+    def forward(self, a, fold=()):
         return self.w2(F.silu(self.w1(a))).squeeze(-1), None        # u (B, T), eq. (10)
 
 
@@ -140,27 +137,23 @@ class GateG3(nn.Module):
         self.pred = nn.Sequential(nn.Linear(cfg.d_c + cfg.d_a, cfg.pred_hidden), nn.SiLU(),
                                   nn.Linear(cfg.pred_hidden, cfg.d_s))
         self.head = nn.Sequential(nn.Linear(3 * cfg.d_s, cfg.pred_hidden), nn.SiLU(), nn.Linear(cfg.pred_hidden, 1))
-        self.target = nn.Linear(cfg.n_embd, cfg.d_s, bias=False)    # T: fixed, never trained
-        self.target.weight.requires_grad = False
+        self.target = nn.Linear(cfg.n_embd, cfg.d_s, bias=False).requires_grad_(False)  # T: fixed, never trained
 
     @torch.no_grad()
     def fold(self):
-        """Inference needs u, not q: the linear maps between the nonlinearities of eqs. (11)–(13) composed,
-        P1[c; e_a] = (P1_c W_c) a + β_a and D1[q_f; q_c; q_f − q_c] = (D1_f + D1_d) q_f + (D1_c − D1_d) q_c."""
+        """Inference needs u, not q: the linear maps between the nonlinearities of eqs. (11)–(13) composed."""
         P1, P2, D1 = self.pred[0], self.pred[2], self.head[0]
         P1_c, P1_e = P1.weight.split([self.w_c.out_features, self.e.size(1)], 1)
         D1_f, D1_c, D1_d = D1.weight.split(P2.out_features, 1)
-        beta = P1_c @ self.w_c.bias + self.e @ P1_e.T + P1.bias      # (2, h): one row per action
-        M = torch.cat([(D1_f + D1_d) @ P2.weight, (D1_c - D1_d) @ P2.weight], 1)  # (h_D, 2h)
+        beta = P1_c @ self.w_c.bias + self.e @ P1_e.T + P1.bias      # (2, h): P1[c; e_a] = (P1_c W_c) a + β_a
+        M = torch.cat([(D1_f + D1_d) @ P2.weight, (D1_c - D1_d) @ P2.weight], 1)  # (h_D, 2h): D1 on q_f, q_c alone
         return P1_c @ self.w_c.weight, beta, M, (D1_f + D1_c) @ P2.bias + D1.bias
 
-    def infer(self, a, fold):
-        """u from fold(): the same function up to rounding, 3 small GEMMs instead of 5, no concatenation."""
-        W_z, beta, M, c0 = fold
-        s = F.silu(F.linear(a, W_z)[..., None, :] + beta)           # (B, T, 2, h): P's hidden, per action
-        return self.head[2](F.silu(F.linear(s.flatten(-2), M, c0))).squeeze(-1)  # (B, T)
-
-    def forward(self, a):
+    def forward(self, a, fold=()):
+        if fold:                                                     # u alone: 3 small GEMMs instead of 5, no cat
+            W_z, beta, M, c0 = fold
+            s = F.silu(F.linear(a, W_z)[..., None, :] + beta)       # (B, T, 2, h): P's hidden, per action
+            return self.head[2](F.silu(F.linear(s.flatten(-2), M, c0))).squeeze(-1), None  # (B, T)
         c = self.w_c(a.detach())                                     # (B, T, d_c), eq. (11): sg(h)
         e = self.e[:, None, None, :].expand(2, *c.shape[:2], -1)     # (2, B, T, d_a)
         qf, qc = self.pred(torch.cat([c.expand(2, *c.shape), e], -1))  # 2 × (B, T, d_s), eq. (12)
@@ -193,9 +186,7 @@ class CheapFFN(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # The model: training (top-k, eqs. 7–9, and the losses) and inference (causal θ, dense-hard or sparse)
 
-class CondDepthLM(common.LM):
-    """Everything but cached decoding, which Model below adds (Model is the class to use)."""
-
+class CondDepthLM(common.LM):                                        # all but cached decoding (Model adds it)
     def __init__(self, cfg):
         super().__init__(cfg)
         self.blocks = nn.ModuleList([common.Block(cfg) for _ in range(cfg.n_layer)])  # same names as common.Model
@@ -208,22 +199,18 @@ class CondDepthLM(common.LM):
         for ffn in self.cheap:                                       # eq. (5): the cheap path starts as identity
             nn.init.zeros_(ffn.down.weight)                          # (its bias is 0 from init_weights)
         for g in self.gates:                                         # fan-in init: u spreads at step 0 (docstring)
-            for m in g.modules():
-                if isinstance(m, nn.Linear):
-                    m.reset_parameters()
+            g.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
             if cfg.gate == "G3":
                 nn.init.normal_(g.e)                                 # distinct actions: q_full ≠ q_cheap at step 0
                 nn.init.orthogonal_(g.target.weight)                 # T: orthogonal init, frozen
         self.train()                                                 # controller_only: the backbone frozen
         self.mode = cfg.mode                                         # switchable (tests, experiments)
         self.label_now = False                                       # oracle labels this step? (on_step)
-        self.last_masks = []                                         # per layer (B, T): the last forward's routing
         self.folded = (None, [])                                     # folds(): (the gates' parameters, their folds)
 
-    def train(self, mode=True):
-        """controller_only freezes the backbone in training; in eval all but T require grad, so autocast casts once."""
+    def train(self, mode=True):                                      # controller_only: backbone frozen in training
         super().train(mode)
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters():                      # eval: all but T, so autocast casts once
             trainable = not self.cfg.controller_only or name.startswith(("cheap.", "gates."))
             p.requires_grad = ".target." not in name and (trainable or not mode)
         return self
@@ -233,22 +220,20 @@ class CondDepthLM(common.LM):
         self.label_now = (cfg.lam_util > 0 or cfg.lam_rank > 0) and it >= cfg.label_start \
             and (it - cfg.label_start) % cfg.label_every == 0
 
-    def controller(self, j, a, fold=()):
-        """u (B, T) and G3's (q_full, q_cheap), or (u, None) from G3's fold(); fp32 under any autocast."""
-        with torch.autocast(a.device.type, enabled=False):
-            a = a.float() if a.dtype.itemsize < 4 else a              # the fp32 residual (fp64 in tests) as it is
-            return (self.gates[j].infer(a, fold), None) if fold else self.gates[j](a)
+    def controller(self, j, a, fold=()):                             # u (B, T), G3's (q_full, q_cheap) or None
+        with torch.autocast(a.device.type, enabled=False):           # the gate in fp32 (fp64 in tests)
+            return self.gates[j](a.float() if a.dtype.itemsize < 4 else a, fold)
 
     def forward(self, idx, targets=None, sparse=False):
         if sparse and self.training:
-            raise NanorouteError("sparse=True is an inference path; call model.eval() first")
+            raise NanorouteError("sparse=True is an inference path: call model.eval() first")
         x = self.embed(idx)                                          # (B, T, d)
         for block in self.blocks[:self.cfg.n_layer - self.cfg.n_controlled]:
             x = block(x)
         topk = self.training or self.mode == "topk"                  # training is always the paper's top-k
         h, r = self.controlled(x, topk, sparse, targets is not None)
         logits, lm_loss = self.head(h, targets)
-        self.last_masks = r["m"]
+        self.last_masks = r["m"]                                     # per layer (B, T): this forward's routing
         if lm_loss is None:                                          # inference: no statistics to pay for
             return logits, None, {}
         loss, stats = total_loss(self, x, targets, lm_loss, r)       # eq. (19)
@@ -257,8 +242,7 @@ class CondDepthLM(common.LM):
             stats["soft_loss"] = soft.detach()
         return logits, loss, stats
 
-    def controlled(self, x, topk, sparse=False, losses=False):
-        """The C controlled layers on x (B, T, d), routed by top-k per sequence (training also moves θ) or by θ."""
+    def controlled(self, x, topk, sparse=False, losses=False):       # x (B, T, d) into the C controlled layers
         cfg, C = self.cfg, self.cfg.n_controlled
         B, T, _ = x.shape
         k = budget_k(cfg.rho, T)
@@ -269,12 +253,14 @@ class CondDepthLM(common.LM):
             a = x + block.attn_delta(x)                              # (B, T, d), eq. (1); fp32 + bf16 promotes
             u, q = self.controller(j, a, folds[j])                   # (B, T) fp32
             p = torch.sigmoid(u / cfg.tau) if full_terms else None   # eq. (6)
-            if topk:
-                m = topk_mask(u.detach(), k)                         # (B, T) bool, eq. (7)
-                if self.training and k < T:
-                    self.track_threshold(j, u.detach(), k * B)
-            else:
-                m = u > self.thresholds[j]                           # causal: each token on its own
+            m = topk_mask(u.detach(), k) if topk else u > self.thresholds[j]  # (B, T) bool: eq. (7), or causal θ
+            if self.training and k < T:                              # θ_j averages this batch's top-k cut
+                cut = u.detach().flatten().topk(k * B + 1).values[-2:].mean()  # midway: kB-th, next score
+                n = self.threshold_batches[j]                        # how many batches θ_j has averaged
+                beta = (1 / (n + 1)).clamp(min=THRESHOLD_EMA)
+                theta = self.thresholds[j]
+                self.thresholds[j] = torch.where(n == 0, cut, theta + beta * (cut - theta))
+                self.threshold_batches[j] += 1
             r["u"].append(u)
             r["m"].append(m)
             r["p"].append(p)
@@ -290,21 +276,11 @@ class CondDepthLM(common.LM):
                 x = torch.where(m[..., None], h_full, h_cheap)       # eq. (4), hard
             if q is not None and losses:
                 shuffle = cfg.shuffle_targets and self.training      # A2: another token's real targets
-                r["jepa"].append(jepa_terms(self.gates[j].target, q, h_full, h_cheap, shuffle))
+                r["jepa"].append(jepa_terms(self.gates[j].target, *q, h_full, h_cheap, shuffle))
         return x, r
 
     @torch.no_grad()
-    def track_threshold(self, j, u, n_full):
-        v = u.flatten().topk(n_full + 1).values                      # (n_full + 1,)
-        cut = (v[-2] + v[-1]) / 2                                    # this batch's top-k cut: θ_j averages it
-        n = self.threshold_batches[j]
-        beta = (1 / (n + 1)).clamp(min=THRESHOLD_EMA)
-        self.thresholds[j] = torch.where(n == 0, cut, self.thresholds[j] + beta * (cut - self.thresholds[j]))
-        self.threshold_batches[j] += 1
-
-    @torch.no_grad()
-    def calibrate_thresholds(self, batches):
-        """θ afresh from batches (B, T) of ids, as training sets it: for a model not trained here (benchmarks)."""
+    def calibrate_thresholds(self, batches):                         # θ as training sets it, for a fresh model
         was_training = self.training
         self.threshold_batches.zero_()
         self.train()
@@ -313,8 +289,7 @@ class CondDepthLM(common.LM):
         self.train(was_training)
 
     @torch.compiler.disable                                         # reads parameter versions: host bookkeeping
-    def folds(self):
-        """Every gate's inference form (GateG3.fold) in fp32, made again only when a gate parameter changed."""
+    def folds(self):                                                 # fp32 gate folds, made again after a change
         key = [(p._version, p.data_ptr(), p.dtype) for p in self.gates.parameters()]
         if key != self.folded[0]:
             with torch.autocast(self.wte.weight.device.type, enabled=False):
@@ -322,11 +297,9 @@ class CondDepthLM(common.LM):
         return self.folded[1]
 
     @torch.no_grad()
-    def routing_map(self, idx):
-        """idx (1, T) -> (m (C, T): 1 = the full FFN ran there in what inference runs, row labels, legend)."""
+    def routing_map(self, idx):                                      # m (C, T): 1 = inference ran the full FFN
         was_training = self.training
-        self.eval()
-        self(idx)
+        self.eval()(idx)
         self.train(was_training)
         L, C = self.cfg.n_layer, self.cfg.n_controlled
         m = torch.stack([mk[0].float() for mk in self.last_masks]).cpu()  # (C, T)
@@ -336,8 +309,7 @@ class CondDepthLM(common.LM):
 # ----------------------------------------------------------------------------------------------------
 # Losses: eq. (19) and its terms; the oracle's labels (eqs. 15–16), a no-grad teacher independent of the gates
 
-def total_loss(model, x, targets, lm_loss, r):
-    """eq. (19) and the statistics train.py logs, from controlled()'s terms r; x: where the oracle starts."""
+def total_loss(model, x, targets, lm_loss, r):                       # eq. (19), logged stats; x: oracle's start
     cfg, L, C = model.cfg, model.cfg.n_layer, model.cfg.n_controlled
     full = torch.stack([m.float().mean() for m in r["m"]])          # (C,) fraction on the full path
     p_bar = torch.stack([p.mean() for p in r["p"]])                  # (C,) batch-averaged gate prob per layer
@@ -363,9 +335,7 @@ def total_loss(model, x, targets, lm_loss, r):
     return loss, stats
 
 
-def jepa_terms(target, q, h_full, h_cheap, shuffle):
-    """eq. (14) for one layer, and for the logs ‖q_full − q_cheap‖ and cos(q_full, q_cheap); shuffle: A2."""
-    qf, qc = q
+def jepa_terms(target, qf, qc, h_full, h_cheap, shuffle):            # eq. (14); ‖q_f − q_c‖, cos(q_f, q_c) to log
     with torch.autocast(qf.device.type, enabled=False):
         z = target(torch.stack([h_full, h_cheap]).detach().to(qf.dtype))  # (2, B, T, d_s)
     if shuffle:
@@ -374,12 +344,9 @@ def jepa_terms(target, q, h_full, h_cheap, shuffle):
     return loss, (qf - qc).detach().norm(dim=-1).mean(), F.cosine_similarity(qf.detach(), qc.detach(), dim=-1).mean()
 
 
-def derangement(n, device):
-    """A random permutation with no fixed point: a single n-cycle through a random order (n ≥ 2)."""
+def derangement(n, device):                                          # one n-cycle through a random order (n ≥ 2)
     order = torch.randperm(n, device=device)
-    perm = torch.empty_like(order)
-    perm[order] = order.roll(-1)                                     # order[i] -> order[i+1]
-    return perm
+    return torch.empty_like(order).scatter_(0, order, order.roll(-1))  # perm[order[i]] = order[i+1]
 
 
 def rank_loss(u, u_star):
@@ -389,73 +356,63 @@ def rank_loss(u, u_star):
     return (loss * (s != 0)).sum() / (s != 0).sum().clamp(min=1)
 
 
-def token_ce(model, h, targets):
-    """Per-token CE of the model's head on h (..., d) against targets (...); ignored targets give 0."""
+def token_ce(model, h, targets):                                     # h (..., d) -> (...); ignored targets give 0
     logits, _ = model.head(h)
     logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, targets.flatten(), ignore_index=-1, reduction="none").view(targets.shape)
 
 
 @torch.no_grad()
-def oracle_labels(model, x, targets):
-    """u*_l (B, T) per controlled layer from x (B, T, d) entering the first: one dense pass keeps each layer's K/V;
-    fork (l, t) recomputes only its window t … t+W−1 in the later layers, against the dense K/V of positions < t."""
+def oracle_labels(model, x, targets):                                # u*_l (B, T) per layer from x (B, T, d)
     cfg, C, W = model.cfg, model.cfg.n_controlled, model.cfg.oracle_window
-    T = x.size(1)
-    blocks = model.blocks[-C:]
-    kv, outs, cheap_outs = [], [], []
-    for j, block in enumerate(blocks):                               # the dense pass
+    B, T, d = x.shape
+    nh = cfg.n_head
+    kv, outs, cheap_outs = [], [], []                                # per layer: (block, K, V), out, cheap out
+    for j, block in enumerate(model.blocks[-C:]):                    # the dense pass
         q, k, v = block.attn.qkv(block.ln_1(x))                      # 3 × (B, nh, T, hs)
         a = x + block.attn.c_proj(block.attn.attend(q, k, v))
         cheap_outs.append(a + model.cheap[j](a))                     # eq. (3) on the dense trajectory
         x = a + block.ffn_delta(a)
-        kv.append((k, v))
+        kv.append((block, k, v))
         outs.append(x)
     ce_full = token_ce(model, x, targets)                            # (B, T)
     pos = torch.arange(T, device=x.device)[:, None] + torch.arange(W, device=x.device)  # (T, W) fork windows
     valid = pos < T
     pos = pos.clamp(max=T - 1)
     decay = cfg.oracle_gamma ** torch.arange(W, device=x.device) * valid                # (T, W)
+    see_dense = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(-1)[:, None]  # (T, 1, T): key s < t
+    see_fork = torch.ones(W, W, dtype=torch.bool, device=x.device).tril() & valid[:, None, :]  # (T, W, W): w' <= w
     labels = []
     for j in range(C):
         h = outs[j][:, pos]                                          # (B, T, W, d): dense layer-j outputs ...
         h[:, :, 0] = cheap_outs[j]                                   # ... but the forked token took the cheap FFN
-        for i in range(j + 1, C):
-            h = fork_block(blocks[i], h, *kv[i], valid)
+        for block, K, V in kv[j + 1:]:                               # each later layer, all forks' windows at once
+            q, k, v = block.attn.c_attn(block.ln_1(h)).view(B, T, W, 3, nh, d // nh).permute(3, 0, 4, 1, 2, 5)
+            s_dense = torch.einsum("bhtwe,bhse->bhtws", q, K).float()  # (B, nh, T, W, T)
+            s_fork = torch.einsum("bhtwe,bhtve->bhtwv", q, k).float()  # (B, nh, T, W, W)
+            s = torch.cat([s_dense.masked_fill(~see_dense, -math.inf),
+                           s_fork.masked_fill(~see_fork, -math.inf)], -1)
+            att = (s / math.sqrt(d // nh)).softmax(-1).to(v.dtype)   # (B, nh, T, W, T + W)
+            y = torch.einsum("bhtws,bhse->bhtwe", att[..., :T], V)   # (B, nh, T, W, hs): dense keys ...
+            y = y + torch.einsum("bhtwv,bhtve->bhtwe", att[..., T:], v)  # ... and the window's
+            h = h + block.attn.c_proj(y.permute(0, 2, 3, 1, 4).reshape(B, T, W, d))
+            h = h + block.ffn_delta(h)
         ce = token_ce(model, h, targets[:, pos])                     # (B, T, W)
         labels.append(((ce - ce_full[:, pos]) * decay).sum(-1))      # u*_{l,t}, eqs. (15)–(16)
     return labels
 
 
-def fork_block(block, h, K, V, valid):
-    """One later layer for every fork's window h (B, T, W, d), seeing the dense K, V (B, nh, T, hs) before t."""
-    B, T, W, d = h.shape
-    nh = block.attn.n_head
-    q, k, v = block.attn.c_attn(block.ln_1(h)).view(B, T, W, 3, nh, d // nh).permute(3, 0, 4, 1, 2, 5)
-    s_dense = torch.einsum("bhtwe,bhse->bhtws", q, K).float()        # (B, nh, T, W, T)
-    s_fork = torch.einsum("bhtwe,bhtve->bhtwv", q, k).float()        # (B, nh, T, W, W)
-    see_dense = torch.ones(T, T, dtype=torch.bool, device=h.device).tril(-1)[:, None]  # (T, 1, T): key s < t
-    see_fork = torch.ones(W, W, dtype=torch.bool, device=h.device).tril() & valid[:, None, :]  # (T, W, W): w' <= w
-    s = torch.cat([s_dense.masked_fill(~see_dense, -math.inf), s_fork.masked_fill(~see_fork, -math.inf)], -1)
-    att = (s / math.sqrt(d // nh)).softmax(-1).to(v.dtype)           # (B, nh, T, W, T + W)
-    y = torch.einsum("bhtws,bhse->bhtwe", att[..., :T], V) + torch.einsum("bhtwv,bhtve->bhtwe", att[..., T:], v)
-    h = h + block.attn.c_proj(y.permute(0, 2, 3, 1, 4).reshape(B, T, W, d))
-    return h + block.ffn_delta(h)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Sparse inference: each token runs only its own FFN
 
-def sparse_ffn(block, cheap, a, m):
-    """a (B, T, d), m (B, T) -> eq. (4): the cheap FFN on every token, the full FFN on the n gathered full ones
-    (one path alone when all agree; n varies with the routing, so this path is no CUDA graph)."""
+def sparse_ffn(block, cheap, a, m):                                  # a (B, T, d), m (B, T) -> eq. (4)
     a2 = a.reshape(-1, a.size(-1))                                   # (N, d)
     i_full = m.reshape(-1).nonzero().squeeze(1)                      # (n,): the one host sync, to know n
     if i_full.numel() == a2.size(0):
         return a + block.ffn_delta(a)                                # eq. (2); fp32 + bf16 promotes, no cast
-    out = a2 + cheap(a2)                                             # (N, d), eq. (3)
+    out = a2 + cheap(a2)                                             # (N, d), eq. (3): every token
     if i_full.numel():
-        x_full = a2.index_select(0, i_full)                          # (n, d)
+        x_full = a2.index_select(0, i_full)                          # (n, d): the full FFN only on these
         out.index_copy_(0, i_full, x_full + block.ffn_delta(x_full))  # eq. (2)
     return out.view_as(a)
 
@@ -464,27 +421,19 @@ def sparse_ffn(block, cheap, a, m):
 # Cached decoding: every layer caches every token's K/V; state = (the KVCaches, the position (0-d), the folds)
 
 class Model(CondDepthLM):
-    sparse_ffn = staticmethod(sparse_ffn)                            # model.sparse_ffn: bench.py times it
-
     @torch.no_grad()
-    def prefill(self, idx):
-        if self.mode != "causal":
+    def step(self, tok, state=None):                                 # tok (B, T') from pos on; state None: a prompt
+        if state is None and self.mode != "causal":
             raise NanorouteError("cached decoding routes causally: mode='topk' looks at future tokens "
                                  "(use mode='causal', or generate(..., use_cache=False))")
-        return self.step(idx, ([None] * self.cfg.n_layer, torch.tensor(0, device=idx.device), self.folds()))
-
-    @torch.no_grad()
-    def step(self, tok, state):
-        """tok (B, T') from position pos (a 0-d tensor) on; caches None: tok is the prompt (prefill). A decoded
-        token writes its K/V at pos and reads the whole cache under a mask: no shape depends on pos."""
-        caches, pos, folds = state
         L, C, S = self.cfg.n_layer, self.cfg.n_controlled, self.cfg.block_size
-        prefill = caches[0] is None
-        x = self.embed(tok) if prefill else self.wte(tok) + self.wpe(pos)  # (B, T', d)
-        mask = None if prefill else common.past_mask(pos, S, caches[0].k.dtype)  # (1, S), made once per step
+        caches, pos, folds = state or ([None] * L, torch.tensor(0, device=tok.device), self.folds())
+        prompt = caches[0] is None
+        x = self.embed(tok) if prompt else self.wte(tok) + self.wpe(pos)  # (B, T', d)
+        mask = None if prompt else common.past_mask(pos, S, caches[0].k.dtype)  # (1, S): no shape depends on pos
         for i, block in enumerate(self.blocks):
             q, k, v = block.attn.qkv(block.ln_1(x))                  # 3 × (B, nh, T', hs)
-            if prefill:
+            if prompt:
                 caches[i] = common.KVCache(x.size(0), S, k, v)
             else:
                 k, v = caches[i].append(pos, k, v)                   # (B, nh, S, hs)
@@ -494,16 +443,16 @@ class Model(CondDepthLM):
                 x = a + block.ffn_delta(a)
                 continue
             full = self.controller(j, a, folds[j])[0] > self.thresholds[j]  # (B, T')
-            # the prompt, or one token eagerly (one sync: that FFN alone); B > 1 or compiled: both FFNs, a select
-            if prefill or (x.size(0) == 1 and not torch.compiler.is_compiling()):
+            if prompt or (x.size(0) == 1 and not torch.compiler.is_compiling()):  # one sync, one FFN
                 x = sparse_ffn(block, self.cheap[j], a, full)
-            else:
+            else:                                                    # B > 1 or compiled: both FFNs, a select
                 x = a + torch.where(full[..., None], block.ffn_delta(a), self.cheap[j](a))  # (B, 1, d), eq. (4)
         return self.head(x[:, -1:])[0][:, -1], (caches, pos + tok.size(1), folds)
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False):
-        """common.LM.generate; mode="topk" re-routes the whole window each token (it has no causal cache)."""
-        return super().generate(idx, max_new_tokens, temperature, top_k, use_cache and self.mode == "causal", compile)
+    prefill = step                                                   # prefill(idx): the prompt, no state yet
+
+    def generate(self, *args, use_cache=True, **kw):                 # mode="topk" (no causal cache): cache-free
+        return super().generate(*args, use_cache=use_cache and self.mode == "causal", **kw)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -516,7 +465,7 @@ def controller_flops(cfg, train, folded=True):
         h = cfg.g1_hidden or d // 4
         return 2 * (d * h + h)
     h = cfg.pred_hidden
-    if folded and not train:                                         # GateG3.infer: W_z, M, D's last layer
+    if folded and not train:                                         # GateG3 with its fold: W_z, M, D's last layer
         return 2 * (d * h + 2 * h * h + h)
     f = 2 * d * cfg.d_c                                              # W_c
     f += 2 * 2 * ((cfg.d_c + cfg.d_a) * h + h * cfg.d_s)             # P, once per action
@@ -524,8 +473,7 @@ def controller_flops(cfg, train, folded=True):
     return f + (2 * 2 * d * cfg.d_s if train else 0)                 # T on both branch outputs (training)
 
 
-def flops_per_token(cfg, T, full):
-    """Inference forward FLOPs per token; full (C,): each layer's full-path fraction (tensor math, no host sync)."""
+def flops_per_token(cfg, T, full):                                   # inference; full (C,): each layer's share
     full = torch.as_tensor(full, dtype=torch.float32)
     ffn, cheap = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd), common.flops_ffn(cfg.n_embd, cfg.cheap_rank)
     routed = full * ffn + (1 - full) * cheap + controller_flops(cfg, train=False)

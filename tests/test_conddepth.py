@@ -117,6 +117,12 @@ def test_recipes_set_the_paper_flags_and_refuse_contradictions():
     assert tiny(rho=1.0).rho == 1.0
 
 
+def test_sparse_forward_in_training_is_refused():
+    m = make().train()
+    with pytest.raises(common.NanorouteError, match="call model.eval"):
+        m(torch.zeros(1, 4, dtype=torch.long), sparse=True)
+
+
 def test_classroom_preset_trains_jointly_from_scratch():
     cfg = cd.Config(**cd.PRESETS["classroom"])
     assert not cfg.controller_only and cfg.lam_util == cfg.lam_rank == 0 and cfg.n_controlled < cfg.n_layer
@@ -266,7 +272,7 @@ def test_ops_per_call_within_the_bars(gate, controller_only):
 
 
 def test_g3_inference_fold_is_the_same_function(dev):
-    """GateG3.infer (the linear maps of eqs. 11–13 composed, what every inference path runs) == the gate as
+    """GateG3 folded (the linear maps of eqs. 11–13 composed, what every inference path runs) == the gate as
     trained, in fp32 under any autocast; and the model's routing and logits do not change with it."""
     m = make(torch.float32, gate="G3").to(dev.device)
     a = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(0)).to(dev.device)
