@@ -55,30 +55,23 @@ class Config(common.Config):
     gdn_expand_v: int = 1      # V = expand_v·K, value dim per GDN head
     chunk_size: int = 64       # chunk length of the chunkwise gated delta rule
     use_fla: bool = True       # CUDA + autocast: fla's Triton kernel when installed (pip install fla-core)
+    kinds = property(lambda self: "".join(self.pattern.split()))                     # the letters, spaces ignored
+    head_k = property(lambda self: self.gdn_head_dim or self.n_embd // self.n_head)  # K
 
     def __post_init__(self):
         super().__post_init__()
-        letters = self.kinds                                                        # spaces are ignored
-        if len(letters) != self.n_layer:
-            raise NanorouteError(f"pattern {self.pattern!r} has {len(letters)} layers but n_layer={self.n_layer}")
-        bad = [c for c in letters if c not in "GRS"]
-        if bad:
-            raise NanorouteError(f"pattern {self.pattern!r}: unknown layer {bad[0]!r}; use G (GDN), R (routed), S (softmax)")
-        if letters[0] == "R":
-            raise NanorouteError(f"pattern {self.pattern!r}: layer 0 cannot be routed (the router reads its output)")
-        if not (self.tau_start > 0 and self.tau_end > 0):
-            raise NanorouteError(f"Gumbel temperatures must be > 0, got tau_start={self.tau_start}, tau_end={self.tau_end}")
-        for name, low in (("balance", 0), ("gdn_head_dim", 0), ("gdn_expand_v", 1), ("chunk_size", 1)):
-            if getattr(self, name) < low:
-                raise NanorouteError(f"{name} must be >= {low}, got {getattr(self, name)}")
-
-    @property
-    def kinds(self):
-        return "".join(self.pattern.split())
-
-    @property
-    def head_k(self):
-        return self.gdn_head_dim or self.n_embd // self.n_head
+        k, p = self.kinds, f"pattern {self.pattern!r}"
+        bad = "".join(c for c in k if c not in "GRS")
+        errors = [(len(k) != self.n_layer, f"{p} has {len(k)} layers but n_layer={self.n_layer}"),
+                  (bad, f"{p}: unknown layer {bad[:1]!r}; use G (GDN), R (routed), S (softmax)"),
+                  (k[:1] == "R", f"{p}: layer 0 cannot be routed (the router reads its output)"),
+                  (not (self.tau_start > 0 and self.tau_end > 0),
+                   f"Gumbel temperatures must be > 0, got tau_start={self.tau_start}, tau_end={self.tau_end}")]
+        errors += [(getattr(self, n) < low, f"{n} must be >= {low}, got {getattr(self, n)}")
+                   for n, low in (("balance", 0), ("gdn_head_dim", 0), ("gdn_expand_v", 1), ("chunk_size", 1))]
+        for failed, msg in errors:
+            if failed:
+                raise NanorouteError(msg)
 
 
 PRESETS = {"paper": {"n_layer": 4, "n_head": 10, "n_embd": 1280, "pattern": "G R R S", "balance": 0.01,
@@ -91,17 +84,6 @@ PRESETS = {"paper": {"n_layer": 4, "n_head": 10, "n_embd": 1280, "pattern": "G R
 
 def gumbel_like(z):
     return -torch.empty_like(z).exponential_().clamp_min(1e-20).log()              # γ ~ Gumbel(0, 1)
-
-
-def one_hot_argmax(z):
-    """onehot(argmax(z)) (..., 2) in z's dtype, a tie to GDN; F.one_hot would check its range on the host."""
-    return torch.zeros_like(z).scatter_(-1, z.argmax(-1, keepdim=True), 1.0)
-
-
-def matmul_dtype(x):
-    """The dtype autocast runs x's matmuls in: a normed input cast once spares each F.linear of it a cast."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -124,8 +106,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=None):
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_masks(C, device):
-    """(C, C+1) bool: `incl` (g_s counts in L_ij, column j+1 = key j, 0 = the chunk's start) and `future`."""
+def chunk_masks(C, device):  # (C, C+1) bool: incl (g_s counts in L_ij; column j+1 = key j, 0 = start), future
     ones = torch.ones(C, C + 1, dtype=torch.bool, device=device)
     return ones.tril(), ones.triu(2)
 
@@ -136,22 +117,19 @@ def gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=64, initial_state=None
     V, C = v.size(-1), chunk_size
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.autocast(q.device.type, enabled=False):
-        q, k, g, beta = (t.to(dt) for t in (q, k, g, beta))                       # v: promoted by v·β below
+        q, k, g, beta = (t.to(dt) for t in (q, k, g[..., None], beta[..., None]))  # v: promoted by v·β below
         pad = (-T) % C  # zero padding: g = 0, β = 0, k = 0 leave the state untouched; outputs are cut off
         if pad:
-            q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-            g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+            q, k, v, g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g, beta))
         N = (T + pad) // C
-        q, k, v = (t.unflatten(2, (N, C)) for t in (q, k, v))                     # (B, H, N, C, K|V)
-        g, beta = g.unflatten(2, (N, C))[..., None], beta.unflatten(2, (N, C))[..., None]  # (B, H, N, C, 1)
+        q, k, v, g, beta = (t.unflatten(2, (N, C)) for t in (q, k, v, g, beta))   # (B, H, N, C, K|V|1)
         incl, future = chunk_masks(C, q.device)
         E = (g * incl).cumsum(-2).masked_fill(future, -math.inf).exp()  # (B, H, N, C, C+1): e^Γ_i, e^{L_ij}
         eG, M = E[..., :1], E[..., 1:]                                           # (.., C, 1), (.., C, C)
         bk = k * beta                                                            # β_i k_i
-        # A and QKᵀ ⊙ M in one product (the solve reads only A's strictly lower part)
+        # A and QKᵀ ⊙ M in one product; the UT transform's one batched solve reads only A's strictly lower part
         A, QK = (torch.cat([bk, q], -2) @ k.mT).unflatten(-2, (2, C)).mul(M[..., None, :, :]).unbind(-3)
         rhs = torch.cat([bk * eG, v * beta], -1)                                 # (B, H, N, C, K+V)
-        # UT transform: one batched unit-lower-triangular solve (the diagonal is taken as 1) gives W and U₀
         W, U0 = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([K, V], -1)
         KdT = (k * M[..., -1, :, None]).mT                                      # Kᵀ diag(e^{L_C,·}) (B, H, N, K, C)
         flat = lambda t: t.flatten(0, 2)                                          # (B·H·N, ·, ·) views
@@ -176,23 +154,18 @@ except Exception:  # not installed, or no Triton here
 
 
 def gated_delta_rule_fla(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=True):
-    """The same contract through fla's chunk_gated_delta_rule (fla-core 0.6): (B, T, H, ·) there, q, k, v, β in
-    one 16-bit dtype, scale=1 (o = Sᵀq takes q as given); its own chunk size does not change the result."""
+    """The same contract through fla's chunk_gated_delta_rule (fla-core 0.6, own chunk size); scale=1: q as is."""
     dt = v.dtype if v.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    qf, kf, vf = (t.transpose(1, 2).to(dt) for t in (q, k, v))                     # (B, T, H, K|V)
-    o, S = _fla_chunk(qf, kf, vf, g.transpose(1, 2).float(), beta.transpose(1, 2).to(dt), scale=1.0,
-                      initial_state=None if initial_state is None else initial_state.float(),
-                      output_final_state=output_final_state)
+    qf, kf, vf, bf = (t.transpose(1, 2).to(dt) for t in (q, k, v, beta))  # (B, T, H, ·) in one 16-bit dtype
+    o, S = _fla_chunk(qf, kf, vf, g.transpose(1, 2).float(), bf, scale=1.0, output_final_state=output_final_state,
+                      initial_state=None if initial_state is None else initial_state.float())
     return o.transpose(1, 2).float(), S.float() if output_final_state else None
 
 
-class GatedDeltaNet(nn.Module):
-    """The GDN mixer: write(h) runs the recurrence over every token, read(o, gate) the output of some."""
-
+class GatedDeltaNet(nn.Module):  # write(h): the recurrence over every token; read(o, gate): outputs of some
     def __init__(self, cfg):
         super().__init__()
-        H, K = cfg.n_head, cfg.head_k
-        V = cfg.gdn_expand_v * K
+        H, K, V = cfg.n_head, cfg.head_k, cfg.gdn_expand_v * cfg.head_k
         self.H, self.K, self.V, self.chunk, self.use_fla = H, K, V, cfg.chunk_size, cfg.use_fla
         ch = H * (2 * K + V)
         self.qkv_proj = nn.Linear(cfg.n_embd, ch, bias=False)
@@ -207,17 +180,14 @@ class GatedDeltaNet(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     @torch.no_grad()
-    def reset_gdn_parameters(self):
-        """GDN inits: A ~ U(0, 16), dt log-uniform in [1e-3, 0.1], dt_bias = softplus⁻¹(dt); default conv init."""
+    def reset_gdn_parameters(self):  # A ~ U(0, 16), dt log-uniform in [1e-3, 0.1], dt_bias = softplus⁻¹(dt)
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).clamp_min(1e-4).log())
         dt = torch.exp(torch.rand_like(self.dt_bias) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))    # inverse softplus
         self.conv.reset_parameters()
 
-    def write(self, h, cache=None):
-        """h: normed input (B, T, C) -> o = Sᵀq (B, H, T, V) fp32 for every token; fills a decode cache."""
-        B, T, _ = h.shape
-        H, K, V = self.H, self.K, self.V
+    def write(self, h, cache=None):  # normed h (B, T, C) -> o = Sᵀq (B, H, T, V) fp32; fills a decode cache
+        T, H, K, V = h.size(1), self.H, self.K, self.V
         f32 = torch.float64 if h.dtype == torch.float64 else torch.float32
         p = self.qkv_proj(h).mT                                                     # (B, ch, T)
         z = F.silu(F.conv1d(p, self.conv.weight, padding=3, groups=p.size(1))[..., :T])  # causal: t sees t−3..t
@@ -235,9 +205,8 @@ class GatedDeltaNet(nn.Module):
         return o
 
     def read(self, o, gate, token_major=False, out=None):
-        """o (B, H, n, V) fp32 = Sᵀq and gate (B, n, H·V) = W_g x of n tokens -> (B, n, C); token_major: gate
-        (n, B, H·V) -> (n, B, C). q was not scaled by K^−½ in write(): RMSNorm(o·K^−½, ε) = RMSNorm(o, K·ε).
-        out: a buffer in the matmul dtype for the gated product (the decode step's), sparing W_o its input cast."""
+        """o = Sᵀq (B, H, n, V) fp32, gate = W_g x (B, n, H·V) -> (B, n, C); token_major: (n, B, ·) for both. q is
+        unscaled (write()): RMSNorm(o·K^−½, ε) = RMSNorm(o, K·ε). out: the decode step's buffer (matmul dtype)."""
         o = F.rms_norm(o, (self.V,), self.norm_weight.to(o.dtype), eps=1e-6 * self.K)     # per head
         o = o.permute(2, 0, 1, 3) if token_major else o.transpose(1, 2)            # (n, B, H, V) | (B, n, H, V)
         o = torch.mul(F.silu(gate).unflatten(-1, (self.H, self.V)), o, out=out)  # the gate first: its layout
@@ -247,8 +216,7 @@ class GatedDeltaNet(nn.Module):
         return self.read(self.write(h, cache), self.g_proj(h))
 
     @torch.no_grad()
-    def step(self, y, cache, read=True):
-        """One token's projections y = h cache["w"]ᵀ (B, 1, ·), GDN's first: conv and state updated in place."""
+    def step(self, y, cache, read=True):  # y = h cache["w"]ᵀ (B, 1, ·), GDN's first; conv, S updated in place
         B, H, K, V = y.size(0), self.H, self.K, self.V
         p, ab, gate = y[:, 0, :cache["rows"]].split([H * (2 * K + V), 2 * H, H * V], -1)
         S = cache["S"].view(B * H, K, V)                                            # fp32, updated in place
@@ -257,8 +225,7 @@ class GatedDeltaNet(nn.Module):
             cache["conv"][..., :3].copy_(z[..., 1:])
             z = F.silu(z[..., 0])                                                   # (B, ch) fp32
             q, k = F.normalize(z[:, :2 * H * K].unflatten(-1, (2, H, K)), dim=-1, eps=1e-6).unbind(1)  # (B, H, K)
-            # e^g = exp(−A·softplus(W_a x + dt_bias)) = σ(−W_a x − dt_bias)^A: W_a is stored negated, so one add
-            # (which also promotes to fp32) and one sigmoid give the decay's base and β together
+            # e^g = exp(−A·softplus(a + dt_bias)) = σ(−a − dt_bias)^A: −W_a stored, one add (to fp32), one sigmoid
             s = torch.sigmoid(ab + cache["ab_bias"])                                # (B, 2H): σ(−a − dt_bias), β
             S.mul_(s[:, :H].pow(cache["A"]).view(B * H, 1, 1))                      # S ← e^g S
             v = z[:, 2 * H * K:].reshape(B * H, 1, V)                                 # a view at B=1, a copy above
@@ -268,9 +235,7 @@ class GatedDeltaNet(nn.Module):
         return None if o is None else self.read(o, gate[:, None], out=cache["read"])
 
 
-class Layer(nn.Module):
-    """Pre-norm mixer + pre-norm MLP; kind G has `gdn`, S has `attn` (names as common.Block), R has both."""
-
+class Layer(nn.Module):  # pre-norm mixer + pre-norm MLP; G has gdn, S attn (names as common.Block), R both
     def __init__(self, cfg, kind):
         super().__init__()
         self.kind = kind
@@ -282,10 +247,12 @@ class Layer(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = common.MLP(cfg)
 
-    def forward(self, x, cache=None, y=None, plan=None):
-        """cache: a dict prefill fills; y (B, T, 2): kind R's weights [GDN, softmax]; plan: sparse_plan()'s."""
-        h = self.ln_1(x)
-        h = h.to(matmul_dtype(h))
+    def normed(self, x):  # ln_1(x) in autocast's matmul dtype: cast once, sparing each F.linear of it a cast
+        dev = x.device.type
+        return self.ln_1(x).to(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype)
+
+    def forward(self, x, cache=None, y=None, plan=None):  # y (B, T, 2): R's weights [GDN, softmax]
+        h = self.normed(x)
         if self.kind == "G":
             mix = self.gdn(h, cache)
         elif self.kind == "S":
@@ -296,24 +263,19 @@ class Layer(nn.Module):
         elif plan is None:
             mix = y[..., :1] * self.gdn(h) + y[..., 1:] * self.attn(h)             # (B, T, C)
         else:
-            mix = sparse_mix(self, h, plan, cache)
+            mix = sparse_mix(self.gdn, self.attn, h, plan, cache)
         x = x + mix                                   # fp32 + bf16 promotes with the same values: no cast op
         return x + self.mlp(self.ln_2(x))
 
-    def step(self, x, cache, pos, mask, soft=None, reads=(True, True)):
-        """One token (B, 1, C) at position pos; soft (B, 1): kind R's decision; reads: which outputs to run."""
-        h = self.ln_1(x)
-        h = h.to(matmul_dtype(h))
-        g = a = None                                                                # (B, 1, C) each, if run
+    def step(self, x, cache, pos, mask, soft=None, reads=(True, True)):  # x (B, 1, C); soft (B, 1): R's choice
+        h = self.normed(x)
         y = self.attn.c_attn(h) if self.kind == "S" else F.linear(h, cache["w"], cache["b"])  # one matmul
-        if self.kind in "GR":
-            g = self.gdn.step(y, cache, reads[0])
+        g = self.gdn.step(y, cache, reads[0]) if self.kind in "GR" else None     # (B, 1, C) each, if run
         if self.kind in "SR":  # every token's K/V go into the cache; its query attends only if read
             q, k, v = (self.attn.split_heads(t) for t in y[..., -3 * x.size(-1):].chunk(3, -1))  # (B, nh, 1, hs)
             k, v = cache["kv"].append(pos, k, v)                                    # (B, nh, S, hs), masked
-            a = self.attn.c_proj(self.attn.attend(q, k, v, attn_mask=mask)) if reads[1] else None
-        mix = a if g is None else g if a is None else torch.where(soft[..., None], a, g)
-        x = x + mix
+        a = self.attn.c_proj(self.attn.attend(q, k, v, attn_mask=mask)) if self.kind in "SR" and reads[1] else None
+        x = x + (a if g is None else g if a is None else torch.where(soft[..., None], a, g))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -332,46 +294,39 @@ class Model(common.LM):
         self.register_buffer("tau", torch.tensor(cfg.tau_start), persistent=False)
         self.forced_route = None  # (B, T, n_routed) bool, True = softmax: benchmarks/tests force decisions
         self.init_weights()
-        for gdn in [layer.gdn for layer in self.blocks if hasattr(layer, "gdn")]:
-            gdn.reset_gdn_parameters()
+        self.apply(lambda m: m.reset_gdn_parameters() if isinstance(m, GatedDeltaNet) else None)
 
     def on_step(self, it):
         c = self.cfg
         self.tau.fill_(c.tau_start * (c.tau_end / c.tau_start) ** min(1.0, it / max(1, c.max_iters)))
 
-    def logits(self, h0):
-        """Router logits z (B, T, nR, 2) of layer 0's output h0 (B, T, C), fp32 whatever autocast runs."""
+    def logits(self, h0):  # router logits z (B, T, nR, 2) of layer 0's output h0 (B, T, C), fp32 under autocast
         with torch.autocast(h0.device.type, enabled=False):
             return self.router(self.ln_r(h0)).float().unflatten(-1, (len(self.routed), 2))
 
-    def route(self, h0):
-        """h0: layer-0 output (B, T, C) -> weights y (B, T, nR, 2) [GDN, softmax], probs, hard (fp32)."""
-        z = self.logits(h0)
-        probs = z.softmax(-1)
-        f = self.forced_route
-        if f is not None or not self.training:                                     # forced, or eval: argmax, no noise
-            hard = one_hot_argmax(z) if f is None else torch.stack([~f, f], -1)[:, :h0.size(1)].to(z)
-            return hard, probs, hard
-        soft = ((z + gumbel_like(z)) / self.tau).softmax(-1)                       # p_τ
-        hard = one_hot_argmax(soft)
-        return hard - soft.detach() + soft, probs, hard                            # straight-through
+    def route(self, h0):  # h0 (B, T, C) -> weights y (B, T, nR, 2) [GDN, softmax], probs, hard (fp32)
+        z, f = self.logits(h0), self.forced_route
+        if f is not None:
+            hard = torch.stack([~f, f], -1)[:, :h0.size(1)].to(z)
+            return hard, z.softmax(-1), hard
+        soft = ((z + gumbel_like(z)) / self.tau).softmax(-1) if self.training else z  # p_τ; eval: argmax z
+        # onehot(argmax), a tie to GDN (F.one_hot would check its range on the host)
+        hard = torch.zeros_like(soft).scatter_(-1, soft.argmax(-1, keepdim=True), 1.0)
+        return (hard - soft.detach() + soft if self.training else hard), z.softmax(-1), hard  # straight-through
 
-    def forward(self, idx, targets=None, sparse=False, caches=None):
-        """caches: a dict per layer for prefill to fill (sparse path)."""
+    def forward(self, idx, targets=None, sparse=False, caches=None):  # caches: a dict per layer, prefill's
         if (sparse or caches is not None) and self.training:
             raise NanorouteError("sparse=True is the inference path: call model.eval() first")
-        B, T = idx.shape
-        cs = [None] * len(self.blocks) if caches is None else caches
+        cs = caches or [None] * len(self.blocks)
         x = self.blocks[0](self.embed(idx), cs[0])                                  # (B, T, C)
-        routes = {}                                                                # routed layer i: (y_i, plan_i)
         if self.routed:
             y, probs, hard = self.route(x)                                          # (B, T, nR, 2)
-            plans = sparse_plan(hard, matmul_dtype(x)) if sparse else [None] * len(self.routed)
-            routes = {i: (y[:, :, r], plans[r]) for r, i in enumerate(self.routed)}
+            plans = sparse_plan(hard) if sparse else [None] * len(self.routed)
+        routes = {i: (y[:, :, r], plans[r]) for r, i in enumerate(self.routed)}     # routed layer i: (y_i, plan_i)
         for i, layer in enumerate(self.blocks[1:], start=1):
             x = layer(x, cs[i], *routes.get(i, ()))
         logits, loss = self.head(x if caches is None else x[:, -1:], targets)
-        stats = {}
+        stats = {} if loss is None else {"lm_loss": loss}
         if self.routed:
             gdn_frac = hard[..., 0].mean((0, 1))                                    # (nR,) took the cheap path
             for r, i in enumerate(self.routed):
@@ -379,27 +334,22 @@ class Model(common.LM):
             stats["skipped"] = gdn_frac.mean()
             if self.training:
                 stats["tau"] = self.tau.clone()
-        stats["flops_saved_hard"] = flops_saved(self.cfg, T, stats.get("skipped"), idx.device)
-        if loss is not None:
-            stats = {"lm_loss": loss.detach(), **stats}
-            if not self.training:  # the noise-free training forward is this one (hard straight-through)
-                stats["soft_loss"] = loss.detach()
-            if self.routed:  # a loss term: only where there is a loss
-                stats["balance"] = balance_loss(probs, hard)
-                loss = loss + self.cfg.balance * stats["balance"]
+        stats["flops_saved_hard"] = flops_saved(self.cfg, idx.size(1), stats.get("skipped"), idx.device)
+        if loss is not None and not self.training:  # the noise-free training forward is this one (hard ST)
+            stats["soft_loss"] = loss
+        if loss is not None and self.routed:  # a loss term: only where there is a loss
+            stats["balance"] = balance_loss(probs, hard)
+            loss = loss + self.cfg.balance * stats["balance"]
         return logits, loss, {k: v.detach() for k, v in stats.items()}
 
     @torch.no_grad()
-    def prefill(self, idx):
-        """The sparse forward of idx (B, T), filling every layer's cache -> (logits (B, V), (caches, pos))."""
+    def prefill(self, idx):  # sparse forward of idx (B, T) filling every layer's cache -> logits (B, V), state
         caches = [{"block_size": self.cfg.block_size} for _ in self.blocks]
         logits, _, _ = self(idx, sparse=True, caches=caches)
         return logits[:, -1], (caches, torch.tensor(idx.size(1), device=idx.device))
 
     @torch.no_grad()
-    def step(self, tok, state):
-        """tok (B, 1) at position pos (0-d tensor) -> logits (B, V). Caches are written in place and read whole
-        under a mask: no shape changes from token to token."""
+    def step(self, tok, state):  # tok (B, 1) at pos (0-d) -> logits (B, V); no shape changes from token to token
         caches, pos = state
         x = self.wte(tok) + self.wpe(pos)                                          # (B, 1, C)
         kv = [c["kv"] for c in caches if "kv" in c]
@@ -411,56 +361,44 @@ class Model(common.LM):
         return self.head(x)[0][:, -1], (caches, pos + 1)
 
     @torch.no_grad()
-    def routing_map(self, idx):
-        """idx (1, T) -> (m (nR, T) on CPU, 1 = softmax, the expensive read; rows; legend), eval decisions."""
-        was_training, m = self.training, torch.zeros(0, idx.size(1))
+    def routing_map(self, idx):  # idx (1, T) -> m (nR, T) on CPU (1 = softmax), rows, legend: eval decisions
+        was_training, hard = self.training, torch.zeros(1, idx.size(1), 0, 2)       # (1, T, nR, 2)
         if self.routed:
-            hard = self.eval().route(self.blocks[0](self.embed(idx)))[2]           # (1, T, nR, 2)
-            m = hard[0, :, :, 1].T.float().cpu()                                    # (nR, T)
+            hard = self.eval().route(self.blocks[0](self.embed(idx)))[2]
         self.train(was_training)
-        return m, [f"layer {i}" for i in self.routed], ("GDN (linear)", "softmax")
+        return hard[0, :, :, 1].T.float().cpu(), [f"layer {i}" for i in self.routed], ("GDN (linear)", "softmax")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Losses
 
-def balance_loss(probs, hard):
-    """Switch loss N·Σ_i f_i·P_i per routed layer, mean over layers. probs, hard: (..., n_routed, N)."""
-    n_routed, N = probs.shape[-2:]
+def balance_loss(probs, hard):  # Switch's N·Σ_i f_i·P_i per routed layer, mean over layers; (..., n_routed, N)
     f = hard.detach().flatten(0, -3).float().mean(0)                               # (n_routed, N) token fractions
     P = probs.flatten(0, -3).float().mean(0)                                       # (n_routed, N) mean probabilities
-    return torch.dot(f.flatten(), P.flatten()) * (N / n_routed)
+    return torch.dot(f.flatten(), P.flatten()) * (probs.size(-1) / probs.size(-2))  # · N / n_routed
 
 
 # ----------------------------------------------------------------------------------------------------
 # Sparse inference: a routed layer runs each read only for the tokens routed to it
 
 @functools.lru_cache(maxsize=8)
-def causal_mask(T, dtype, device):
-    """The additive (T, T) causal mask, made once: SDPA takes it as is (a bool mask costs it 3 ops a call)."""
+def causal_mask(T, dtype, device):  # additive (T, T), made once: SDPA takes it as is (a bool one costs 3 ops)
     return torch.full((T, T), -math.inf, dtype=dtype, device=device).triu(1)
 
 
-def sparse_plan(hard, dtype):
-    """Decisions hard (B, T, nR, 2) -> per routed layer (order, dump, n_gdn, n_soft, causal mask), with one host
-    sync for all (parallel routing: every decision is known after layer 0). order (B, T) lists a row's GDN
-    tokens, then its softmax ones, each in position order: GDN reads take slots [0, n_gdn), softmax reads
-    [T − n_soft, T), so a row with fewer of a kind fills its slots with the other kind's. dump: order, with the
-    softmax slots that hold a GDN token sent to row T (thrown away)."""
+def sparse_plan(hard):
+    """hard (B, T, nR, 2) -> per routed layer (order, dump, n_gdn, n_soft). order (B, T): a row's GDN tokens, then
+    its softmax ones; GDN reads take slots [0, n_gdn), softmax [T − n_soft, T), some holding the other kind's."""
     T = hard.size(1)
     kind, order = hard[..., 1].sort(dim=1, stable=True)                            # (B, T, nR): GDN first
     counts = kind.sum(1).T.tolist()                                                # (nR, B) softmax tokens: the sync
-    dump = order.masked_fill(kind < 0.5, T)
-    mask = causal_mask(T, dtype, hard.device)
-    return [(order[..., r], dump[..., r], T - int(min(c)), int(max(c)), mask) for r, c in enumerate(counts)]
+    dump = order.masked_fill(kind < 0.5, T)                                        # GDN in softmax slots → row T
+    return [(order[..., r], dump[..., r], T - int(min(c)), int(max(c))) for r, c in enumerate(counts)]
 
 
-def sparse_mix(layer, h, plan, cache=None):
-    """A routed layer's mixer output (B, T, C) for its normed input h (B, T, C): the GDN write and the softmax
-    K/V of every token, then each read for its own tokens (and, in padding slots, some of the other kind's)."""
-    order, dump, n_gdn, n_soft, causal = plan
+def sparse_mix(gdn, attn, h, plan, cache=None):  # normed h (B, T, C) -> a routed layer's mixer output (B, T, C)
+    order, dump, n_gdn, n_soft = plan
     B, T, C = h.shape
-    gdn, attn = layer.gdn, layer.attn
     # token-major (T, B, ·): each kind's slots are contiguous rows, which a GEMM takes without a copy
     hs = h.transpose(0, 1).gather(0, order.T[..., None].expand(-1, -1, C))         # (T, B, C) GDN tokens first
     mix = h.new_zeros(T + 1, B, C)                                                 # row T: the dump
@@ -482,9 +420,8 @@ def sparse_mix(layer, h, plan, cache=None):
     if n_soft:
         q = F.linear(hs[T - n_soft:], w[:C], None if b is None else b[:C])         # (n_soft, B, C)
         q = attn.split_heads(q.transpose(0, 1))                                    # (B, nh, n_soft, hs)
-        mask = causal[order[:, T - n_soft:]][:, None]                              # (B, 1, n_soft, T)
-        # n_soft changes with the routing: on CUDA, cuDNN attention would set itself up anew for every new
-        # length (DTRNet's bf16 step: 14x slower); flash / efficient / math take any length as it comes
+        mask = causal_mask(T, h.dtype, h.device)[order[:, T - n_soft:]][:, None]   # (B, 1, n_soft, T)
+        # n_soft varies: on CUDA, cuDNN would set itself up anew per length (DTRNet's bf16 step: 14x slower)
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             y = attn.attend(q, k, v, attn_mask=mask).transpose(0, 1)               # (n_soft, B, C), q's layout
         mix.scatter_(0, dump[:, T - n_soft:].T[..., None].expand(-1, -1, C), attn.c_proj(y))
@@ -496,11 +433,9 @@ def sparse_mix(layer, h, plan, cache=None):
 
 @torch.no_grad()
 def gdn_decode_cache(gdn, cache, S, p, dtype):
-    """At prefill, what GDN.step needs: the state S (B, H, K, V) and the conv's partial sums, both updated in
-    place (fixed addresses: a CUDA graph replays on them); the joined projections [W_qkv; W_a; W_b; W_g] in the
-    matmul dtype (W_a negated; a routed layer appends attention's W_qkv) with the bias [−dt_bias, 0] of the decay
-    and β gates, and A = e^{A_log}, made here once instead of every token. p: the conv inputs (B, ch, T)."""
-    ch, f32 = p.size(1), S.dtype
+    """Made once at prefill for GDN.step: S (B, H, K, V) and the conv's partial sums, updated in place (fixed
+    addresses: a CUDA graph); [W_qkv; −W_a; W_b; W_g] in the matmul dtype, bias [−dt_bias, 0], A = e^{A_log}."""
+    ch, f32 = p.size(1), S.dtype                                                    # p: conv inputs (B, ch, T)
     with torch.autocast(p.device.type, enabled=False):
         tail = F.pad(p, (3, 0))[..., -3:].to(f32)                                   # last 3 conv inputs (B, ch, 3)
         # s_j: what the tail adds to conv output T−1+j (j = 1, 2, 3); step() adds each new input's part to all
@@ -510,7 +445,7 @@ def gdn_decode_cache(gdn, cache, S, p, dtype):
     cache["S"] = S.contiguous()
     cache["w"] = torch.cat([gdn.qkv_proj.weight, -gdn.a_proj.weight, gdn.b_proj.weight, gdn.g_proj.weight]).to(dtype)
     cache["rows"], cache["b"] = cache["w"].size(0), None
-    cache["read"] = S.new_empty(S.size(0), 1, gdn.H, gdn.V, dtype=dtype)           # W_o's input, written by read()
+    cache["read"] = S.new_empty(S.size(0), 1, gdn.H, gdn.V, dtype=dtype)  # W_o's input in its dtype: no cast op
     cache["ab_bias"] = torch.cat([-gdn.dt_bias, torch.zeros_like(gdn.dt_bias)]).to(f32)
     cache["A"] = gdn.A_log.exp().to(f32)
     for t in (cache["S"], cache["conv"], cache["read"]):
@@ -518,21 +453,15 @@ def gdn_decode_cache(gdn, cache, S, p, dtype):
 
 
 def decode_routes(model, h0, pos):
-    """One decode step's routes, {layer i: (soft (B, 1) bool, reads (GDN?, softmax?))}. Eager: one host sync per
-    token finds the reads any row needs (B=1: the two logits, exactly one read, soft None). Compiled: both reads,
-    torch.where picks per row: one graph for every token, no sync (what a CUDA graph replays)."""
-    eager = not torch.compiler.is_compiling()
-    if model.forced_route is not None:
-        soft = model.forced_route.index_select(1, pos.view(1))
-    else:
-        z = model.logits(h0)                                                       # (B, 1, nR, 2)
-        if eager and h0.size(0) == 1:  # the host compares the logits itself: no soft tensor, no sum
-            return {i: (None, (not z1 > z0, z1 > z0)) for i, (z0, z1) in zip(model.routed, z.view(-1, 2).tolist())}
-        soft = z[..., 1] > z[..., 0]                                               # argmax, a tie to GDN
-    reads = [(True, True)] * soft.size(-1)                                         # compiled: both, no sync
-    if eager:
-        n = soft.sum((0, 1)).tolist()                                              # (nR,) rows reading softmax
-        reads = [(c < soft.size(0), c > 0) for c in n]
+    """{layer i: (soft (B, 1) bool, reads (GDN?, softmax?))}. Eager: one host sync a token finds the reads a row
+    needs (B=1: one read, soft None). Compiled: both reads, torch.where picks per row: one graph, every token."""
+    eager, f = not torch.compiler.is_compiling(), model.forced_route
+    z = model.logits(h0) if f is None else None                                    # (B, 1, nR, 2)
+    if eager and z is not None and h0.size(0) == 1:  # the host compares the logits itself: no soft tensor, no sum
+        return {i: (None, (not z1 > z0, z1 > z0)) for i, (z0, z1) in zip(model.routed, z.view(-1, 2).tolist())}
+    soft = z[..., 1] > z[..., 0] if f is None else f.index_select(1, pos.view(1))  # argmax, a tie to GDN
+    n = soft.sum((0, 1)).tolist() if eager else [None] * soft.size(-1)            # (nR,) rows reading softmax
+    reads = [(True, True) if c is None else (c < soft.size(0), c > 0) for c in n]  # compiled: both, no sync
     return {i: (soft[:, :, r], reads[r]) for r, i in enumerate(model.routed)}
 
 
@@ -540,17 +469,14 @@ def decode_routes(model, h0, pos):
 # Accounting (forward FLOPs per token, common.py's conventions: multiply-adds × 2)
 
 def flops_gdn(cfg):
-    """(write, read) of one token: write = W_{q,k,v}, W_a, W_b, short conv and the recurrence (Sᵀk, k uᵀ,
-    Sᵀq: 3 K×V per head; the chunked form reads Sᵀq for every token); read = W_g and W_o."""
-    d, H, K = cfg.n_embd, cfg.n_head, cfg.head_k
-    V = cfg.gdn_expand_v * K
+    """(write, read) per token: W_{q,k,v}, W_a, W_b, conv, Sᵀk, k uᵀ, Sᵀq (chunked: every token); W_g, W_o."""
+    d, H, K, V = cfg.n_embd, cfg.n_head, cfg.head_k, cfg.gdn_expand_v * cfg.head_k
     write = 2 * d * H * (2 * K + V) + 2 * d * 2 * H + 2 * 4 * H * (2 * K + V) + 2 * 3 * H * K * V
     return write, 2 * d * H * V + 2 * H * V * d
 
 
 def flops_per_token(cfg, T, soft_frac=0.0, sparse=False):
-    """Forward FLOPs per token; soft_frac: the share of tokens routed to softmax (a list: one per routed layer).
-    Dense-hard runs both mixers on every token of a routed layer; sparse runs what the module docstring lists."""
+    """FLOPs per token, dense-hard (both mixers) or sparse; soft_frac: the softmax share (a list: per layer)."""
     d = cfg.n_embd
     fracs = soft_frac if isinstance(soft_frac, (list, tuple)) else [soft_frac] * cfg.kinds.count("R")
     kv = 2 * common.flops_qkv(d) / 3                                                # K, V: every token
@@ -565,10 +491,9 @@ def flops_per_token(cfg, T, soft_frac=0.0, sparse=False):
 
 
 def flops_saved(cfg, T, skipped, device):
-    """1 − sparse / dense-GPT FLOPs per token, skipped = the GDN share of routed token-layers (0-d tensor; None
-    when nothing is routed). flops_per_token is linear in the shares: two Python numbers, two tensor ops."""
+    """1 − sparse / dense-GPT FLOPs per token; skipped: the GDN share of routed token-layers (0-d; None: none)."""
     dense = common.dense_flops_per_token(cfg, T)
-    all_gdn, all_soft = (flops_per_token(cfg, T, s, sparse=True) for s in (0.0, 1.0))
+    all_gdn, all_soft = (flops_per_token(cfg, T, s, sparse=True) for s in (0.0, 1.0))  # linear in s: 2 tensor ops
     if skipped is None:
         return torch.full((), 1 - all_gdn / dense, device=device)
     return skipped * ((all_soft - all_gdn) / dense) + (1 - all_soft / dense)
