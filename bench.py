@@ -34,7 +34,8 @@ import common
 def timeit(fns, device, repeats=10, warmup=3):
     """Median seconds of each callable in fns (a dict), interleaved so drift hits all of them alike, the order
     rotating every round so that none always runs first (after another's cache traffic, or not). Fast calls
-    get more rounds than `repeats`: enough for ~MIN_SECONDS each (a 15 ms call's median of 5 is noise)."""
+    get more rounds than `repeats` (a 15 ms call's median of 5 is noise): ~MIN_SECONDS per callable on average,
+    so a slow callable timed beside a fast one is not run hundreds of times."""
     times, order = {name: [] for name in fns}, list(fns.items())
     i = 0
     while i < warmup + repeats:
@@ -47,8 +48,8 @@ def timeit(fns, device, repeats=10, warmup=3):
                 times[name].append(time.perf_counter() - t)
         i += 1
         if i == warmup + 1:  # the first timed round sets the number of rounds
-            fastest = min(ts[0] for ts in times.values())
-            repeats = max(repeats, min(int(MIN_SECONDS / max(fastest, 1e-6)), 200))
+            first = sum(ts[0] for ts in times.values())
+            repeats = max(repeats, min(int(len(fns) * MIN_SECONDS / max(first, 1e-6)), 200))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -84,10 +85,10 @@ def decode_rows(suite, model, device, args, extra=None, compiled=False):
     batch 1, both models' steps compiled (CUDA graphs on CUDA), compile time excluded (warm-up calls)."""
     cfg = model.cfg
     arch = {k: getattr(cfg, k) for k in common.ARCH_FIELDS}
-    torch.manual_seed(0)
-    dense = common.Model(common.Config(**arch)).to(device).eval()
+    torch.manual_seed(0)  # the dense GPT of the same size; the gpt suite's model is one (timed once)
+    dense = model if type(model) is common.Model else common.Model(common.Config(**arch)).to(device).eval()
     n_new = 8 if args.quick else min(128, cfg.block_size - 16)
-    rows = []
+    rows, reps = [], max(1, min(args.repeats, 3))  # a call is n_new steps: its median of 3 is steady
 
     def gen(m, prompt, compile=False):
         def run():
@@ -96,8 +97,9 @@ def decode_rows(suite, model, device, args, extra=None, compiled=False):
         return run
     for B in (1, 8):
         prompt = torch.randint(0, cfg.vocab_size, (B, 16), generator=torch.Generator().manual_seed(B)).to(device)
-        t = timeit({"routed": gen(model, prompt), "dense": gen(dense, prompt)}, device, max(1, min(args.repeats, 5)),
-                   warmup=1)
+        fns = {"routed": gen(model, prompt)} | ({} if dense is model else {"dense": gen(dense, prompt)})
+        t = timeit(fns, device, reps, warmup=1)
+        t.setdefault("dense", t["routed"])
         row = {"suite": suite, "what": "decode", "B": B, "new_tokens": n_new, **(extra or {}),
                "tokens_per_s": B * n_new / t["routed"], "dense_tokens_per_s": B * n_new / t["dense"],
                "speed_ratio": t["dense"] / t["routed"]}
@@ -109,9 +111,9 @@ def decode_rows(suite, model, device, args, extra=None, compiled=False):
         rows.append(row)
         if compiled and B == 1:
             fns = {"eager": gen(model, prompt), "compiled": gen(model, prompt, compile=True)}
-            if model is not dense:
+            if dense is not model:
                 fns["dense_compiled"] = gen(dense, prompt, compile=True)
-            t = timeit(fns, device, max(1, min(args.repeats, 5)), warmup=3)  # warm-up: compile, CUDA-graph record
+            t = timeit(fns, device, reps, warmup=3)  # warm-up: compile, CUDA-graph record
             rows.append({"suite": suite, "what": "decode_compiled", "B": 1, "new_tokens": n_new, **(extra or {}),
                          "compiled_tokens_per_s": n_new / t["compiled"], "eager_tokens_per_s": n_new / t["eager"],
                          "dense_compiled_tokens_per_s": n_new / t.get("dense_compiled", t["compiled"]),
@@ -316,7 +318,8 @@ def bench_hybrid(args, device, rows):
                 (o.sum() + S.sum()).backward()
             return run
         t = timeit({"chunked": fwd_bwd(lambda *a: HA.gated_delta_rule_chunked(*a, chunk_size=64)),
-                    "recurrent": fwd_bwd(HA.gated_delta_rule_recurrent)}, device, reps, warmup=1)
+                    "recurrent": fwd_bwd(HA.gated_delta_rule_recurrent)}, device, reps if T <= 1024 else 1,
+                   warmup=1)  # T=4096: one timed call; the loop's 4096 steps are ~150k ops (~5 s on a GPU)
         rows.append({"suite": "hybrid", "what": "gdn_fwd_bwd", "B": B, "H": nh, "T": T, "K": K,
                      "chunked_ms": 1e3 * t["chunked"], "recurrent_ms": 1e3 * t["recurrent"],
                      "speedup_chunked": t["recurrent"] / t["chunked"]})

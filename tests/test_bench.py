@@ -50,6 +50,26 @@ def test_bench_json_keeps_the_rows_of_a_run_stopped_half_way(tmp_path, monkeypat
     assert not os.path.exists(path + ".tmp")
 
 
+def test_timeit_rounds_fast_calls_up_and_does_not_repeat_a_slow_one_for_a_fast_neighbour(monkeypatch):
+    """On a fake clock: two 1 ms calls get extra rounds (~MIN_SECONDS each, at most 200); a 1 ms call beside a
+    1 s one does not drag the slow one through hundreds of rounds (what made `bench.py all` overrun a GPU's
+    minutes: a 4096-step recurrent loop timed beside the chunked form)."""
+    clock, calls = [0.0], {}
+    monkeypatch.setattr(bench, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(bench, "MIN_SECONDS", 0.25)
+
+    def call(name, seconds):
+        def f():
+            calls[name] = calls.get(name, 0) + 1
+            clock[0] += seconds
+        return f
+    t = bench.timeit({"a": call("a", 1e-3), "b": call("b", 1e-3)}, torch.device("cpu"), repeats=3, warmup=1)
+    assert calls == {"a": 201, "b": 201} and t == pytest.approx({"a": 1e-3, "b": 1e-3})
+    calls.clear()
+    t = bench.timeit({"fast": call("fast", 1e-3), "slow": call("slow", 1.0)}, torch.device("cpu"), repeats=3, warmup=1)
+    assert calls == {"fast": 4, "slow": 4} and t == pytest.approx({"fast": 1e-3, "slow": 1.0})
+
+
 def test_count_ops_counts_kernels_not_views():
     """Three arithmetic ops and a cast are counted; views, reshapes of contiguous tensors and detach are not."""
     x = torch.randn(4, 6)
