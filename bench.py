@@ -17,7 +17,6 @@ Timing: warm-up calls, then the median of --repeats calls, each bracketed by com
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -51,6 +50,11 @@ def timeit(fns, device, repeats=10, warmup=3):
             first = sum(ts[0] for ts in times.values())
             repeats = max(repeats, min(int(len(fns) * MIN_SECONDS / max(first, 1e-6)), 200))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def ms(t):
+    """timeit's medians as row fields, in the order the callables were given: {"dense": s} -> {"dense_ms": 1e3 s}."""
+    return {f"{name}_ms": 1e3 * s for name, s in t.items()}
 
 
 DTYPE = None  # the autocast dtype of this run (--dtype; None: what training uses on the device)
@@ -110,9 +114,8 @@ def decode_rows(suite, model, device, args, extra=None, compiled=False):
             row["flops_ideal"] = 1.0 / (1.0 - float(saved))  # dense GPT FLOPs / routed FLOPs per token
         rows.append(row)
         if compiled and B == 1:
-            fns = {"eager": gen(model, prompt), "compiled": gen(model, prompt, compile=True)}
-            if dense is not model:
-                fns["dense_compiled"] = gen(dense, prompt, compile=True)
+            fns = {"eager": gen(model, prompt), "compiled": gen(model, prompt, compile=True)} | (
+                {} if dense is model else {"dense_compiled": gen(dense, prompt, compile=True)})
             t = timeit(fns, device, reps, warmup=3)  # warm-up: compile, CUDA-graph record
             rows.append({"suite": suite, "what": "decode_compiled", "B": 1, "new_tokens": n_new, **(extra or {}),
                          "compiled_tokens_per_s": n_new / t["compiled"], "eager_tokens_per_s": n_new / t["eager"],
@@ -141,9 +144,9 @@ class OpCounter(TorchDispatchMode):
         return sum(self.ops.values())
 
 
-METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.sym_size.int,
-                torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default, torch.ops.aten.dim.default,
-                torch.ops.aten.is_contiguous.default}
+METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default,
+                torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+                torch.ops.aten.dim.default, torch.ops.aten.is_contiguous.default}
 
 
 def count_ops(fn, *args, **kwargs):
@@ -170,12 +173,12 @@ def count_paths(model, B=8, T=256):
         out["forward"] = count_ops(model, idx)[0]
         if model.__class__ is not common.Model:
             out["sparse"] = count_ops(model, idx, sparse=True)[0]
-        logits, state = model.prefill(idx[:1, :100])
+        _, state = model.prefill(idx[:1, :100])
         steps = []
         for t in range(100, 108):
-            n, _ = count_ops(lambda: steps.append(model.step(idx[:1, t:t + 1], state)))
-            state = steps[-1][1]
-            steps[-1] = n
+            with OpCounter() as c:
+                _, state = model.step(idx[:1, t:t + 1], state)
+            steps.append(c.total)
         out["step"] = max(steps)
     return out
 
@@ -211,10 +214,9 @@ def ops_model(suite):
 
 
 def ops_rows(suite):
-    """`what=ops` rows: ops dispatched per call, device-independent (at these sizes a GPU is bound by how many
-    ops the host launches, ~30 µs each, not by FLOPs). gpt: the dense GPT's own rows; a router: its dense-hard
-    forward, sparse forward and decode step at OPS_SIZE with mixed routing, each next to the dense GPT's count
-    for the same call and the bar it must meet."""
+    """`what=ops` rows: ops dispatched per call (OpCounter says why they matter), device-independent. gpt: the
+    dense GPT's own rows; a router: its dense-hard forward, sparse forward and decode step at OPS_SIZE with mixed
+    routing, each next to the dense GPT's count for the same call and the bar it must meet."""
     torch.manual_seed(0)
     gpt = count_paths(common.Model(common.Config(**OPS_SIZE)).eval())
     if suite == "gpt":
@@ -233,9 +235,8 @@ def ops_rows(suite):
 
 def batch(cfg, B, T, device, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    return x.to(device), y.to(device)
+    x, y = (torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device) for _ in range(2))
+    return x, y
 
 
 def crossover(sweep, speed, **group):
@@ -292,8 +293,7 @@ def bench_gpt(args, device, rows):
     x, y = batch(cfg, B, T, device)
     for what, make in (("forward", lambda m: forward(m, x)), ("train_step", lambda m: train_step(m, x, y, device))):
         t = timeit({"ours": make(ours), "plain": make(plain)}, device, args.repeats)
-        rows.append({"suite": "gpt", "what": what, "B": B, "T": T, "ours_ms": 1e3 * t["ours"],
-                     "plain_ms": 1e3 * t["plain"], "tokens_per_s": B * T / t["ours"],
+        rows.append({"suite": "gpt", "what": what, "B": B, "T": T, **ms(t), "tokens_per_s": B * T / t["ours"],
                      "speed_ratio_ours_vs_plain": t["plain"] / t["ours"]})
     rows += decode_rows("gpt", ours.eval(), device, args, compiled=not args.quick or args.compile)
 
@@ -320,15 +320,13 @@ def bench_hybrid(args, device, rows):
         t = timeit({"chunked": fwd_bwd(lambda *a: HA.gated_delta_rule_chunked(*a, chunk_size=64)),
                     "recurrent": fwd_bwd(HA.gated_delta_rule_recurrent)}, device, reps if T <= 1024 else 1,
                    warmup=1)  # T=4096: one timed call; the loop's 4096 steps are ~150k ops (~5 s on a GPU)
-        rows.append({"suite": "hybrid", "what": "gdn_fwd_bwd", "B": B, "H": nh, "T": T, "K": K,
-                     "chunked_ms": 1e3 * t["chunked"], "recurrent_ms": 1e3 * t["recurrent"],
+        rows.append({"suite": "hybrid", "what": "gdn_fwd_bwd", "B": B, "H": nh, "T": T, "K": K, **ms(t),
                      "speedup_chunked": t["recurrent"] / t["chunked"]})
         with torch.no_grad():
             t = timeit({"gdn": lambda: HA.gated_delta_rule_chunked(q, k, v, gate, beta, chunk_size=64),
                         "softmax": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)},
                        device, args.repeats)
-        rows.append({"suite": "hybrid", "what": "gdn_vs_softmax_fwd", "B": B, "H": nh, "T": T, "K": K,
-                     "gdn_ms": 1e3 * t["gdn"], "softmax_ms": 1e3 * t["softmax"],
+        rows.append({"suite": "hybrid", "what": "gdn_vs_softmax_fwd", "B": B, "H": nh, "T": T, "K": K, **ms(t),
                      "softmax_over_gdn": t["softmax"] / t["gdn"]})
 
     # cached decoding, tokens/s per pattern (random weights: routed layers split tokens by an untrained router)
@@ -355,8 +353,7 @@ def bench_hybrid(args, device, rows):
             t = timeit({"sparse": forward(m, x, sparse=True), "dense": forward(m, x)}, device, args.repeats)
             ideal = HA.flops_per_token(m.cfg, T) / HA.flops_per_token(m.cfg, T, frac, sparse=True)
             rows.append({"suite": "hybrid", "what": "sparse_vs_dense_hard", "B": B, "T": T, "softmax_frac": frac,
-                         "sparse_ms": 1e3 * t["sparse"], "dense_ms": 1e3 * t["dense"],
-                         "speedup": t["dense"] / t["sparse"], "flops_ideal": ideal})
+                         **ms(t), "speedup": t["dense"] / t["sparse"], "flops_ideal": ideal})
     for frac in (0.1, 0.5):
         rows.append(crossover([r for r in rows if r["what"] == "sparse_vs_dense_hard" and r["softmax_frac"] == frac],
                               "speedup", softmax_frac=frac))
@@ -371,8 +368,7 @@ def bench_hybrid(args, device, rows):
                 frac = 1 - m(x)[2][f"gdn_frac_l{m.routed[0]}"].item()
             t = timeit({"sparse": forward(m, x, sparse=True), "dense": forward(m, x)}, device, args.repeats)
             rows.append({"suite": "hybrid", "what": "sparse_vs_dense_trained", "B": 8, "T": T,
-                         "softmax_frac_first_routed": frac, "sparse_ms": 1e3 * t["sparse"],
-                         "dense_ms": 1e3 * t["dense"], "speedup": t["dense"] / t["sparse"]})
+                         "softmax_frac_first_routed": frac, **ms(t), "speedup": t["dense"] / t["sparse"]})
     torch.manual_seed(0)
     m = HA.Model(HA.Config(pattern="G R R S", block_size=256 if not args.quick else 32)).to(device).eval()
     rows += decode_rows("hybrid", m, device, args, {"pattern": "G R R S"}, compiled=args.compile)
@@ -409,28 +405,23 @@ def bench_dtrnet(args, device, rows):
                 blk.router = _ForcedRouter(rho)
         return m
 
-    def row(what, T, rho_set, m, dense, extra=None):
-        x, _ = batch(m.cfg, B, T, device)
-        fns = {"dense": forward(dense, x), "sparse": forward(m, x, sparse=True)}
-        if T <= 1024:  # the boolean-mask reference materialises (B, nh, T, T) scores: skip it when large
-            fns["eval_masked"] = forward(m, x)
-        t = timeit(fns, device, args.repeats, warmup=1 if not quick else 2)
-        with torch.no_grad():
-            rho = m(x, sparse=True)[2]["frac_attn"].item()  # the fraction actually routed
-        ideal = 1.0 / dtrnet.flops_ratio(m.cfg, T, rho)
-        meas = t["dense"] / t["sparse"]
-        rows.append({"suite": "dtrnet", "what": what, "B": B, "T": T, "rho_set": rho_set, "rho": rho,
-                     "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"],
-                     "eval_masked_ms": 1e3 * t.get("eval_masked", float("nan")),
-                     "speedup_measured": meas, "speedup_flops_ideal": ideal,
-                     "gain_fraction_of_ideal": (meas - 1) / (ideal - 1) if ideal > 1 else float("nan"),
-                     **(extra or {})})
-
     torch.manual_seed(0)
     dense = common.Model(cfg).to(device).eval()
     for T in Ts:
-        for rho in (0.1, 0.3, 0.5):
-            row("forward_forced", T, rho, forced(rho), dense)
+        for rho_set in (0.1, 0.3, 0.5):
+            m = forced(rho_set)
+            x, _ = batch(m.cfg, B, T, device)
+            fns = {"dense": forward(dense, x), "sparse": forward(m, x, sparse=True)}
+            if T <= 1024:  # the boolean-mask reference materialises (B, nh, T, T) scores: skip it when large
+                fns["eval_masked"] = forward(m, x)
+            t = timeit(fns, device, args.repeats, warmup=1 if not quick else 2)
+            t.setdefault("eval_masked", float("nan"))
+            with torch.no_grad():
+                rho = m(x, sparse=True)[2]["frac_attn"].item()  # the fraction actually routed
+            ideal, meas = 1.0 / dtrnet.flops_ratio(m.cfg, T, rho), t["dense"] / t["sparse"]
+            rows.append({"suite": "dtrnet", "what": "forward_forced", "B": B, "T": T, "rho_set": rho_set, "rho": rho,
+                         **ms(t), "speedup_measured": meas, "speedup_flops_ideal": ideal,
+                         "gain_fraction_of_ideal": (meas - 1) / (ideal - 1) if ideal > 1 else float("nan")})
     for rho in (0.1, 0.3, 0.5):
         rows.append(crossover([r for r in rows if r.get("rho_set") == rho], "speedup_measured", rho_set=rho))
     if args.ckpt:  # the trained router, at the checkpoint's own context length
@@ -447,10 +438,8 @@ def bench_dtrnet(args, device, rows):
         with torch.no_grad():
             rho = m(x)[2]["frac_attn"].item()
         ideal = 1.0 / dtrnet.flops_ratio(ccfg, ccfg.block_size, rho)
-        rows.append({"suite": "dtrnet", "what": "forward_trained", "B": B, "T": ccfg.block_size,
-                     "rho_set": "trained", "rho": rho, "dense_ms": 1e3 * t["dense"],
-                     "sparse_ms": 1e3 * t["sparse"], "eval_masked_ms": 1e3 * t["eval_masked"],
-                     "speedup_measured": t["dense"] / t["sparse"], "speedup_flops_ideal": ideal})
+        rows.append({"suite": "dtrnet", "what": "forward_trained", "B": B, "T": ccfg.block_size, "rho_set": "trained",
+                     "rho": rho, **ms(t), "speedup_measured": t["dense"] / t["sparse"], "speedup_flops_ideal": ideal})
     # cached decoding at B=1 and 8 vs the dense GPT's KV cache (ρ≈0.1), and the routed cache's bytes
     n_new = 32 if quick else 256
     gcfg = dtrnet.Config(n_layer=7, n_head=4, n_embd=128, block_size=n_new + 16, vocab_size=65)
@@ -475,7 +464,8 @@ def bench_tsa(args, device, rows):
     if args.quick:
         kw, B, T, alphas, batches = dict(n_layer=4, n_head=4, n_embd=64), 4, 64, (0.3, 0.73, 1.0), (1, 4)
     else:  # the paper's model (d=256, L=6, H=8) at its benchmark shape, batch 64 × seq 256 (its Table 8)
-        kw, B, T, alphas, batches = dict(n_layer=6, n_head=8, n_embd=256), 64, 256, (0.1, 0.3, 0.5, 0.73, 0.9, 1.0), (1, 8, 64, 128)
+        kw, B, T = dict(n_layer=6, n_head=8, n_embd=256), 64, 256
+        alphas, batches = (0.1, 0.3, 0.5, 0.73, 0.9, 1.0), (1, 8, 64, 128)
     cfg = tsa.Config(vocab_size=65, block_size=T, **kw)
     torch.manual_seed(0)
     dense = common.Model(cfg).to(device)
@@ -487,8 +477,8 @@ def bench_tsa(args, device, rows):
     x, y = batch(cfg, Btr, Ttr, device)
     model.train()
     t = timeit({"dense": train_step(dense, x, y, device), "tsa": train_step(model, x, y, device)}, device, reps)
-    rows.append({"suite": "tsa", "what": "train_step", "B": Btr, "T": Ttr, "dense_ms": 1e3 * t["dense"],
-                 "tsa_ms": 1e3 * t["tsa"], "ratio_tsa_vs_dense": t["tsa"] / t["dense"]})
+    rows.append({"suite": "tsa", "what": "train_step", "B": Btr, "T": Ttr, **ms(t),
+                 "ratio_tsa_vs_dense": t["tsa"] / t["dense"]})
 
     originals = [r.forward for r in model.routers]
 
@@ -512,7 +502,7 @@ def bench_tsa(args, device, rows):
 
     ideal_mode = {"dense": "dense", "soft": "soft", "hard": "soft", "sparse_ffn": "ffn", "sparse_query": "query"}
 
-    def measure(what, alpha, B, modes, x):
+    def measure(what, B, modes, x):
         t = timeit({m: run(m, x) for m in modes}, device, reps, warmup=1)
         model.eval()
         a_hard = model(x)[2]["alpha_hard"].item() if len(model.routers) else 1.0
@@ -531,17 +521,17 @@ def bench_tsa(args, device, rows):
         dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("routers.")})
         val = common.load_split(cfg.dataset, "val", cfg.data_dir)
         x = torch.stack([torch.from_numpy(val[i * T:(i + 1) * T].astype("int64")) for i in range(B)]).to(device)
-        measure("infer_trained_ckpt", float("nan"), B, ["dense", "hard", "sparse_ffn", "sparse_query"], x)
+        measure("infer_trained_ckpt", B, ["dense", "hard", "sparse_ffn", "sparse_query"], x)
         return
     dense.eval()
     x = batch(cfg, B, T, device)[0]
     for alpha in alphas:  # the α sweep at the paper's shape
         force(alpha, B)
         extra = ["soft", "hard"] if alpha == 0.73 else []
-        measure("infer_alpha_sweep", alpha, B, ["dense", *extra, "sparse_ffn", "sparse_query"], x)
+        measure("infer_alpha_sweep", B, ["dense", *extra, "sparse_ffn", "sparse_query"], x)
     for Bs in batches:  # batch-size scaling at the paper's Shakespeare α
         force(0.73, Bs)
-        measure("infer_batch_scaling", 0.73, Bs, ["dense", "sparse_ffn", "sparse_query"], batch(cfg, Bs, T, device)[0])
+        measure("infer_batch_scaling", Bs, ["dense", "sparse_ffn", "sparse_query"], batch(cfg, Bs, T, device)[0])
     for mode in ("sparse_ffn", "sparse_query"):
         rows.append(crossover([r for r in rows if r["what"] == "infer_batch_scaling" and r["mode"] == mode],
                               "speedup_vs_dense", mode=mode))
@@ -586,20 +576,13 @@ def bench_conddepth(args, device, rows):
         block, cheap = model.blocks[-1], model.cheap[-1]
         a = torch.randn(B, T, cfg.n_embd, device=device)
         m = cd.topk_mask(torch.randn(B, T, device=device), cd.budget_k(rho, T))
-
-        @torch.no_grad()
-        def ffn_dense():  # what eval() does: both paths for every token, then select
-            torch.where(m[..., None], a + block.ffn_delta(a), a + cheap(a))
-
-        @torch.no_grad()
-        def ffn_sparse():
-            cd.sparse_ffn(block, cheap, a, m)
-        t = timeit({"dense": ffn_dense, "sparse": ffn_sparse}, device, args.repeats)
+        with torch.no_grad():  # dense: what eval() does, both paths for every token, then select
+            t = timeit({"dense": lambda: torch.where(m[..., None], a + block.ffn_delta(a), a + cheap(a)),
+                        "sparse": lambda: cd.sparse_ffn(block, cheap, a, m)}, device, args.repeats)
         d, dff = cfg.n_embd, 4 * cfg.n_embd
         ffn, chp = common.flops_ffn(d, dff), common.flops_ffn(d, cfg.cheap_rank)
-        rows.append({"suite": "conddepth", "what": "controlled_ffn_sublayer", "rho": rho, "B": B, "T": T,
-                     "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"], "speedup": t["dense"] / t["sparse"],
-                     "ideal_speedup": (ffn + chp) / (rho * ffn + (1 - rho) * chp)})
+        rows.append({"suite": "conddepth", "what": "controlled_ffn_sublayer", "rho": rho, "B": B, "T": T, **ms(t),
+                     "speedup": t["dense"] / t["sparse"], "ideal_speedup": (ffn + chp) / (rho * ffn + (1 - rho) * chp)})
         C, L = cfg.n_controlled, cfg.n_layer
         attn = common.flops_qkv(d) + common.flops_attn_out(d) + common.flops_attn_scores(d, common.mean_context(T))
         ctrl = cd.controller_flops(cfg, train=False)
@@ -609,8 +592,7 @@ def bench_conddepth(args, device, rows):
         for Bf in ((1, 4) if args.quick else (1, 8, 64)):  # the whole model, dense-hard vs sparse
             x, _ = batch(cfg, Bf, T, device)
             t = timeit({"dense": forward(model, x), "sparse": forward(model, x, sparse=True)}, device, args.repeats)
-            sweep.append({"suite": "conddepth", "what": "model_forward", "rho": rho, "B": Bf, "T": T,
-                          "dense_ms": 1e3 * t["dense"], "sparse_ms": 1e3 * t["sparse"],
+            sweep.append({"suite": "conddepth", "what": "model_forward", "rho": rho, "B": Bf, "T": T, **ms(t),
                           "speedup": t["dense"] / t["sparse"], "ideal_speedup": ideal,
                           "frac_of_ideal_gain": (t["dense"] / t["sparse"] - 1) / (ideal - 1),
                           "infer_vs_full": cd.infer_vs_full(cfg)})
@@ -620,7 +602,8 @@ def bench_conddepth(args, device, rows):
 
 # ----------------------------------------------------------------------------------------------------
 
-SUITES = {"gpt": bench_gpt, "hybrid": bench_hybrid, "dtrnet": bench_dtrnet, "tsa": bench_tsa, "conddepth": bench_conddepth}
+SUITES = {"gpt": bench_gpt, "hybrid": bench_hybrid, "dtrnet": bench_dtrnet, "tsa": bench_tsa,
+          "conddepth": bench_conddepth}
 
 
 class Rows(list):
