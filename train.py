@@ -19,7 +19,6 @@ import dataclasses
 import html
 import importlib
 import json
-import math
 import os
 import sys
 import time
@@ -35,8 +34,11 @@ FLAGS = ("model", "dataset", "preset", "resume")  # the flags that are not Confi
 
 
 def parse_value(name, typ, text):
+    """A flag's text -> typ; a bare --name (text None) is True for a bool, a one-line error for the rest."""
+    if text is None and typ is not bool:
+        raise NanorouteError(f"--{name} needs a value")
     if typ is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
+        if text is None or text.lower() in ("1", "true", "yes", "on"):
             return True
         if text.lower() in ("0", "false", "no", "off"):
             return False
@@ -49,7 +51,7 @@ def parse_value(name, typ, text):
 
 
 def split_flags(argv):
-    """['--a=1', '--b', '2', '--c'] -> {'a': '1', 'b': '2', 'c': None}; anything else is a one-line error."""
+    """['--a=1', '--b', '2', '--c'] -> [('a', '1'), ('b', '2'), ('c', None)]; anything else is a one-line error."""
     pairs, i = [], 0
     while i < len(argv):
         arg = argv[i]
@@ -67,8 +69,7 @@ def split_flags(argv):
 
 def parse_args(argv):
     """argv -> (Config, model module, resume). Unknown keys and bad values are one-line errors."""
-    pairs = split_flags(argv)
-    opts = dict(pairs)
+    opts = dict(split_flags(argv))
     name = opts.pop("model", None) or "gpt"
     if name not in MODELS:
         raise NanorouteError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
@@ -76,30 +77,25 @@ def parse_args(argv):
     dataset = opts.pop("dataset", None) or "shakespeare"
     if dataset not in common.DATASETS:
         raise NanorouteError(f"unknown dataset {dataset!r}; choose one of {', '.join(common.DATASETS)}")
-    resume = opts.pop("resume", "false")
-    resume = resume is None or parse_value("resume", bool, resume)
-    values = {}
-    preset = opts.pop("preset", None)
-    if preset is not None:
-        presets = getattr(module, "PRESETS", {})
-        if preset not in presets:
-            raise NanorouteError(f"unknown preset {preset!r} for --model {name}; choose one of "
-                                 f"{', '.join(presets) or '(none)'}")
-        values.update(presets[preset])
+    resume = parse_value("resume", bool, opts.pop("resume", "false"))
+    preset, presets = opts.pop("preset", None), getattr(module, "PRESETS", {})
+    if preset is not None and preset not in presets:
+        raise NanorouteError(f"unknown preset {preset!r} for --model {name}; choose one of "
+                             f"{', '.join(presets) or '(none)'}")
+    values = dict(presets[preset]) if preset is not None else {}  # defaults < preset < flags
     fields = {f.name: f for f in dataclasses.fields(module.Config)}
     for key, val in opts.items():
         if key not in fields:
             raise NanorouteError(f"unknown option --{key}; valid: --{', --'.join(list(FLAGS) + sorted(fields))}")
-        if val is None and fields[key].type is not bool:
-            raise NanorouteError(f"--{key} needs a value")
-        values[key] = True if val is None else parse_value(key, fields[key].type, val)
+        values[key] = parse_value(key, fields[key].type, val)
     values.update(model=name, dataset=dataset)
     return module.Config(**values), module, resume
 
 
 def resolve(cfg, meta):
     """Fill what the data decides: vocabulary, and for copy/sort the record length."""
-    changes = {"vocab_size": meta["vocab_size"], "out_dir": cfg.out_dir or os.path.join("out", f"{cfg.model}-{cfg.dataset}")}
+    changes = {"vocab_size": meta["vocab_size"],
+               "out_dir": cfg.out_dir or os.path.join("out", f"{cfg.model}-{cfg.dataset}")}
     if "record_len" in meta and cfg.block_size != meta["record_len"] - 1:
         changes["block_size"] = meta["record_len"] - 1
         print(f"note: {cfg.dataset} trains on whole records: block_size {cfg.block_size} -> {changes['block_size']}")
@@ -130,9 +126,11 @@ def build(module, cfg):
     return getattr(module, "build", module.Model)(cfg)
 
 
-def write_json_atomic(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
+def write_atomic(path, text):
+    """Write text to path via a temporary file: a crash mid-write leaves the previous file intact."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
     os.replace(path + ".tmp", path)
 
 
@@ -152,20 +150,16 @@ def train(cfg, module, resume=False):
     if ddp:
         torch.distributed.barrier()
         meta = common.load_meta(cfg.dataset, cfg.data_dir)
-    init = None
-    if cfg.init_from:  # start from another run's weights; its architecture wins
-        init = common.load_checkpoint(cfg.init_from)
+    init = common.load_checkpoint(cfg.init_from) if cfg.init_from else None
+    if init is not None:  # start from another run's weights; its architecture wins
         cfg = dataclasses.replace(cfg, **{k: init["config"][k] for k in common.ARCH_FIELDS if k in init["config"]})
     cfg = resolve(cfg, meta)
     check_fits(cfg, meta)
     refused = getattr(module, "COMPILE_REFUSED", {}).get(device.type)  # device type -> why compile is refused there
     if cfg.compile and refused:
         raise NanorouteError(f"--compile is refused for --model {cfg.model} on {device.type}: {refused}")
-    train_data = common.load_split(cfg.dataset, "train", cfg.data_dir)
-    val_data = common.load_split(cfg.dataset, "val", cfg.data_dir)
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    best_path = os.path.join(cfg.out_dir, "best.pt")
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    train_data, val_data = (common.load_split(cfg.dataset, split, cfg.data_dir) for split in ("train", "val"))
+    ckpt_path, best_path, metrics_path = (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt", "metrics.jsonl"))
 
     torch.manual_seed(cfg.seed + rank)
     model = build(module, cfg).to(device)
@@ -195,27 +189,24 @@ def train(cfg, module, resume=False):
         if master:  # drop what the killed run logged after its checkpoint, so the log reads as one run
             keep = [r for r in map(json.loads, open(metrics_path)) if r["step"] < start or
                     (r["kind"] == "eval" and r["step"] == start)] if os.path.exists(metrics_path) else []
-            with open(metrics_path + ".tmp", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in keep)
-            os.replace(metrics_path + ".tmp", metrics_path)
+            write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
         log(f"resuming {ckpt_path} at step {start}")
     elif master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        open(metrics_path, "w").close()
+        write_atomic(metrics_path, "")  # a fresh log (and out_dir)
     if master:
-        write_json_atomic(os.path.join(cfg.out_dir, "config.json"), dataclasses.asdict(cfg))
+        write_atomic(os.path.join(cfg.out_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=1))
     raw_model = model
     if cfg.compile:
         model = torch.compile(model)
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = torch.nn.parallel.DistributedDataParallel(model,
+                                                          device_ids=[device.index] if device.type == "cuda" else None)
     log(f"{cfg.model} on {cfg.dataset}: {raw_model.num_params() / 1e6:.2f}M parameters, device {device}, "
         f"{world} process(es), {cfg.max_iters} iters of {cfg.batch_size}×{cfg.block_size} tokens")
 
-    def record(rec):
-        if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+    def record(rec):  # called on the master only
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
     t0, t_last = time.time(), time.time()
     for it in range(start, cfg.max_iters + 1):
@@ -295,9 +286,9 @@ def summary(model, cfg, meta, val_data, device, metrics_path):
     last = [r for r in map(json.loads, open(metrics_path)) if r["kind"] == "eval"][-1]
     hard, soft = last["val_loss"], last.get("val_soft_loss")
     print(f"\n== {cfg.model} on {cfg.dataset}: summary ==")
-    print(f"val loss {hard:.4f}: what inference runs" + (" (hard routing, sparse path)" if soft is not None else "")
-          + (f"; the training-mode (soft) model {soft:.4f}, so inference costs {hard / soft - 1:+.1%}"
-             if soft is not None else ""))
+    print(f"val loss {hard:.4f}: what inference runs"
+          + (f" (hard routing, sparse path); the training-mode (soft) model {soft:.4f}, so inference costs "
+             f"{hard / soft - 1:+.1%}" if soft is not None else ""))
     if cfg.model != "gpt":
         dense = find_dense_run(cfg)
         print(f"dense GPT of the same preset ({dense[0]}): val {dense[1]:.4f}; this model is {hard / dense[1] - 1:+.1%}"
@@ -306,7 +297,8 @@ def summary(model, cfg, meta, val_data, device, metrics_path):
     skips = sorted((int(k[len("val_skip_l"):]), v) for k, v in last.items() if k.startswith("val_skip_l"))
     if skips:
         print("work really skipped (share of tokens on the cheap path), per layer: "
-              + ", ".join(f"layer {i} {v:.0%}" for i, v in skips) + f"; mean {sum(v for _, v in skips) / len(skips):.0%}"
+              + ", ".join(f"layer {i} {v:.0%}" for i, v in skips)
+              + f"; mean {sum(v for _, v in skips) / len(skips):.0%}"
               + (f"; forward FLOPs saved vs the dense GPT: {last['val_flops_saved_hard']:.1%}"
                  if "val_flops_saved_hard" in last else ""))
         print(speed_line(model, cfg, meta, val_data, device))
@@ -317,7 +309,14 @@ def summary(model, cfg, meta, val_data, device, metrics_path):
         print(picture(model, idx, meta, f"{cfg.model} routing on the first validation window", path))
         files.append(path)
     print("files: " + ", ".join(files))
-    sample(model, val_data, meta, device)
+    model.eval()
+    if "record_len" in meta:  # copy/sort: complete a held-out record greedily
+        prompt = torch.tensor(val_data[:common.TASK_LEN + 2].astype(np.int64), device=device)[None]
+        out = model.generate(prompt, common.TASK_LEN + 1, temperature=0)
+    else:
+        prompt = torch.tensor(val_data[:1].astype(np.int64), device=device)[None]
+        out = model.generate(prompt, 200, temperature=0.8, top_k=200)
+    print("sample:\n" + common.decode(meta, out[0].tolist()))
 
 
 def find_dense_run(cfg):
@@ -340,8 +339,7 @@ def find_dense_run(cfg):
 def speed_line(model, cfg, meta, val_data, device, repeats=5):
     """Sparse vs dense-hard forward of this model, and vs a dense GPT of its size, timed now, interleaved."""
     x, _ = common.get_batch(val_data, meta, cfg.batch_size, cfg.block_size, common.eval_rng(0, "val", 0), device)
-    arch = {k: getattr(cfg, k) for k in common.ARCH_FIELDS}
-    gpt = common.Model(common.Config(**arch)).to(device).eval()
+    gpt = common.Model(common.Config(**{k: getattr(cfg, k) for k in common.ARCH_FIELDS})).to(device).eval()
     model.eval()
     fns = {"sparse": lambda: model(x, sparse=True), "dense_hard": lambda: model(x), "gpt": lambda: gpt(x)}
     times = {k: [] for k in fns}
@@ -371,15 +369,11 @@ def _mix(a):
     return tuple(round(c0 + (c1 - c0) * a) for c0, c1 in zip(CHEAP, COSTLY))
 
 
-def _pieces(meta, idx):
-    """One printable string per token; a newline token shows as ⏎ and ends the line."""
-    return [common.decode(meta, [i]).replace("\n", "⏎\n") for i in idx]
-
-
 def render_routing(meta, idx, m, rows, legend, title, path=None, color=True, width=96):
     """idx (T,) ids, m (R, T) in [0, 1] -> terminal text (ANSI colour, or a plain marker line under each
     line of text when color=False) and, if path is given, a self-contained HTML file written atomically."""
-    toks, m = _pieces(meta, list(idx)), m.float().clamp(0, 1).tolist()
+    toks = [common.decode(meta, [i]).replace("\n", "⏎\n") for i in idx]  # a newline shows as ⏎ and ends the line
+    m = m.float().clamp(0, 1).tolist()
     out = [f"{title}   legend: {legend[0]} = light" + (" (blue)" if color else " '.'") +
            f", {legend[1]} = dark" + (" (orange)" if color else " '#'")]
     for label, vals in zip(rows, m):
@@ -396,10 +390,10 @@ def render_routing(meta, idx, m, rows, legend, title, path=None, color=True, wid
                 marks += ("#" if a > 0.5 else ".") * len(shown)
             n += len(shown)
             if tok.endswith("\n") or n >= width:
-                out += [line] + ([marks] if not color else [])
+                out += [line] if color else [line, marks]
                 line, marks, n = "", "", 0
         if n:
-            out += [line] + ([marks] if not color else [])
+            out += [line] if color else [line, marks]
     if path:
         sections = []
         for label, vals in zip(rows, m):
@@ -415,10 +409,7 @@ def render_routing(meta, idx, m, rows, legend, title, path=None, color=True, wid
                 "border:1px solid #ccc;padding:.5em}h2{font-size:1em;margin:1.2em 0 .2em}span{color:#000}</style>"
                 "</head><body>\n<h1>" + html.escape(title) + "</h1>\n<p>Each token is coloured by what the model "
                 "ran for it in each layer. " + key + "</p>\n" + "\n".join(sections) + "\n</body></html>\n")
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(page)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, page)
     return "\n".join(out)
 
 
@@ -451,33 +442,19 @@ def encode_prompt(meta, text):
     return ids
 
 
-def sample(model, val_data, meta, device, n=200):
-    model.eval()
-    if "record_len" in meta:  # copy/sort: complete a held-out record greedily
-        prompt = torch.tensor(val_data[:common.TASK_LEN + 2].astype(np.int64), device=device)[None]
-        out = model.generate(prompt, common.TASK_LEN + 1, temperature=0)
-    else:
-        prompt = torch.tensor(val_data[:1].astype(np.int64), device=device)[None]
-        out = model.generate(prompt, n, temperature=0.8, top_k=200)
-    print("sample:\n" + common.decode(meta, out[0].tolist()))
-
-
 # ----------------------------------------------------------------------------------------------------
 # python train.py --sample RUN_DIR: nanoGPT's sample.py for a trained run
 
-SAMPLE_FLAGS = {"sample": str, "prompt": str, "num_tokens": int, "temperature": float, "top_k": int,
-                "dense": bool, "compile": bool, "seed": int, "device": str}
+SAMPLE_FLAGS = {"sample": "", "prompt": "\n", "num_tokens": 300, "temperature": 0.8, "top_k": 200, "dense": False,
+                "compile": False, "seed": 1337, "device": "auto"}  # the defaults; a flag's type is its default's
 
 
 def sample_run(argv):
-    opts = {"prompt": "\n", "num_tokens": 300, "temperature": 0.8, "top_k": 200, "dense": False, "compile": False,
-            "seed": 1337, "device": "auto"}
+    opts = dict(SAMPLE_FLAGS)
     for key, val in split_flags(argv):
         if key not in SAMPLE_FLAGS:
             raise NanorouteError(f"unknown option --{key} with --sample; valid: --{', --'.join(SAMPLE_FLAGS)}")
-        if val is None and SAMPLE_FLAGS[key] is not bool:
-            raise NanorouteError(f"--{key} needs a value")
-        opts[key] = True if val is None else parse_value(key, SAMPLE_FLAGS[key], val)
+        opts[key] = parse_value(key, type(SAMPLE_FLAGS[key]), val)
     run_dir = opts["sample"]
     if not os.path.isdir(run_dir):
         raise NanorouteError(f"--sample {run_dir}: no such run directory (train one with python train.py --model ...)")
