@@ -52,10 +52,10 @@ def main(paths):
 
 def host_bound(per_op):
     """The wall time of `bench.py all --device cuda` (bf16) if every call cost per_op seconds per op it
-    dispatches (host-bound; the H100 ran 34–44 µs per op, results/bench.md): each timed callable runs once here, on the CPU, under
-    bench's op counter, then bench.timeit's own rule picks the rounds on a clock that every call moves by its
-    ops × per_op. Ops outside timed calls (set-up, the FLOPs-ideal forwards) count the same; compile is not
-    modelled (a compiled decode step is counted as eager)."""
+    dispatches (host-bound; the H100 ran 34–44 µs per op, results/bench.md): each timed callable runs once here,
+    on the CPU, under bench's op counter, then bench.timeit's own rule picks the rounds on a clock that every call
+    moves by its ops × per_op. Ops outside timed calls (set-up, the FLOPs-ideal forwards) count the same; compile
+    is not modelled (a compiled decode step is counted as eager)."""
     import torch
     import bench
     clock, counted, timeit, out = [0.0], [0], bench.timeit, []
