@@ -101,7 +101,9 @@ def decode_rows(suite, model, device, args, extra=None, compiled=False):
         return run
     for B in (1, 8):
         prompt = torch.randint(0, cfg.vocab_size, (B, 16), generator=torch.Generator().manual_seed(B)).to(device)
-        fns = {"routed": gen(model, prompt)} | ({} if dense is model else {"dense": gen(dense, prompt)})
+        fns = {"routed": gen(model, prompt)}
+        if dense is not model:
+            fns["dense"] = gen(dense, prompt)
         t = timeit(fns, device, reps, warmup=1)
         t.setdefault("dense", t["routed"])
         row = {"suite": suite, "what": "decode", "B": B, "new_tokens": n_new, **(extra or {}),
@@ -114,8 +116,9 @@ def decode_rows(suite, model, device, args, extra=None, compiled=False):
             row["flops_ideal"] = 1.0 / (1.0 - float(saved))  # dense GPT FLOPs / routed FLOPs per token
         rows.append(row)
         if compiled and B == 1:
-            fns = {"eager": gen(model, prompt), "compiled": gen(model, prompt, compile=True)} | (
-                {} if dense is model else {"dense_compiled": gen(dense, prompt, compile=True)})
+            fns = {"eager": gen(model, prompt), "compiled": gen(model, prompt, compile=True)}
+            if dense is not model:
+                fns["dense_compiled"] = gen(dense, prompt, compile=True)
             t = timeit(fns, device, reps, warmup=3)  # warm-up: compile, CUDA-graph record
             rows.append({"suite": suite, "what": "decode_compiled", "B": 1, "new_tokens": n_new, **(extra or {}),
                          "compiled_tokens_per_s": n_new / t["compiled"], "eager_tokens_per_s": n_new / t["eager"],
@@ -235,8 +238,7 @@ def ops_rows(suite):
 
 def batch(cfg, B, T, device, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x, y = (torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device) for _ in range(2))
-    return x, y
+    return tuple(torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device) for _ in range(2))  # x, y
 
 
 def crossover(sweep, speed, **group):
