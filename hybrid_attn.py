@@ -18,7 +18,7 @@ one per token). Paper §2.1: `G R R S`. Every layer is pre-norm mixer + pre-norm
         (I + A) [W U₀] = [diag(β e^Γ) K, diag(β) V],   A_ij = β_i e^{L_ij} k_i·k_j  (i > j)
         O = (diag(e^Γ) Q − (QKᵀ ⊙ M) W) S₀ + (QKᵀ ⊙ M) U₀,   M_ij = e^{L_ij} (i ≥ j), 0 above
         next S₀ = P S₀ + R,   P = e^{Γ_C} I − Kᵀ diag(e^{L_{C,·}}) W,   R = Kᵀ diag(e^{L_{C,·}}) U₀
-The state math runs in fp32 with autocast off; on CUDA, fla's Triton kernel (pip install fla-core) when installed.
+The state math runs in fp32 with autocast off; on CUDA, fla's Triton kernels (pip install fla-core) when installed.
 Sparse inference (sparse=True, prefill, step): every token of a routed layer writes the GDN state and the
 softmax K/V; a GDN token then reads through RMSNorm, W_g and W_o, a softmax token through Q, scores and W_o.
 
@@ -54,7 +54,7 @@ class Config(common.Config):
     gdn_head_dim: int = 0      # K, key dim per GDN head (0 = n_embd // n_head); GDN uses n_head heads
     gdn_expand_v: int = 1      # V = expand_v·K, value dim per GDN head
     chunk_size: int = 64       # chunk length of the chunkwise gated delta rule
-    use_fla: bool = True       # CUDA + autocast: fla's Triton kernel when installed (pip install fla-core)
+    use_fla: bool = True       # CUDA: fla's kernels if installed (pip install fla-core): autocast, eager step
     kinds = property(lambda self: "".join(self.pattern.split()))                     # the letters, spaces ignored
     head_k = property(lambda self: self.gdn_head_dim or self.n_embd // self.n_head)  # K
 
@@ -147,10 +147,11 @@ def gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=64, initial_state=None
         return o, S.view(B, H, K, V) if output_final_state else None
 
 
-try:  # optional: flash-linear-attention's Triton kernel (CUDA); the pure-PyTorch forms above stay the reference
+try:  # optional: flash-linear-attention's Triton kernels (CUDA); the pure-PyTorch forms above stay the reference
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
 except Exception:  # not installed, or no Triton here
-    _fla_chunk = None
+    _fla_chunk = _fla_recurrent = None
 
 
 def gated_delta_rule_fla(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=True):
@@ -160,6 +161,19 @@ def gated_delta_rule_fla(q, k, v, g, beta, chunk_size=64, initial_state=None, ou
     o, S = _fla_chunk(qf, kf, vf, g.transpose(1, 2).float(), bf, scale=1.0, output_final_state=output_final_state,
                       initial_state=None if initial_state is None else initial_state.float())
     return o.transpose(1, 2).float(), S.float() if output_final_state else None
+
+
+def gated_delta_step_fla(z, ab, S, A_log, dt_bias):
+    """GatedDeltaNet.step's rule in one fla kernel (fused_recurrent_gated_delta_rule, fla-core 0.6): q, k
+    L2-normalised (x/√(|x|²+1e-6) there, x/max(|x|, 1e-6) here), decay e^g, write, read o = Sᵀq; in fp32.
+    z (B, ch) fp32 conv outputs [q, k, v]; ab (B, 2H) [−W_a x, W_b x]; S (B, H, K, V) fp32 -> o (B, H, 1, V)."""
+    B, H, K, V = S.shape
+    q, k, v = (t.view(B, 1, H, -1) for t in z.split([H * K, H * K, H * V], -1))  # (B, 1, H, K|V) views
+    o, S1 = _fla_recurrent(q, k, v, g=-ab[:, None, :H], beta=ab[:, None, H:], scale=1.0, initial_state=S,
+                           output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                           A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)  # g, β from raw a, b
+    S.copy_(S1)                                                                    # the cache's S, in place
+    return o.transpose(1, 2)                                                       # (B, H, 1, V) fp32
 
 
 class GatedDeltaNet(nn.Module):  # write(h): the recurrence over every token; read(o, gate): outputs of some
@@ -224,15 +238,18 @@ class GatedDeltaNet(nn.Module):  # write(h): the recurrence over every token; re
             z = torch.addcmul(cache["conv"], p[..., None], cache["taps"])           # (B, ch, 4): z_t, next sums
             cache["conv"][..., :3].copy_(z[..., 1:])
             z = F.silu(z[..., 0])                                                   # (B, ch) fp32
-            q, k = F.normalize(z[:, :2 * H * K].unflatten(-1, (2, H, K)), dim=-1, eps=1e-6).unbind(1)  # (B, H, K)
-            # e^g = exp(−A·softplus(a + dt_bias)) = σ(−a − dt_bias)^A: −W_a stored, one add (to fp32), one sigmoid
-            s = torch.sigmoid(ab + cache["ab_bias"])                                # (B, 2H): σ(−a − dt_bias), β
-            S.mul_(s[:, :H].pow(cache["A"]).view(B * H, 1, 1))                      # S ← e^g S
-            v = z[:, 2 * H * K:].reshape(B * H, 1, V)                                 # a view at B=1, a copy above
-            u = torch.baddbmm(v, k.reshape(B * H, 1, K), S, alpha=-1)               # v − Sᵀk
-            S.baddbmm_(k.reshape(B * H, K, 1), u * s[:, H:].reshape(B * H, 1, 1))   # S ← S + k (β(v − Sᵀk))ᵀ
-            o = (q.reshape(B * H, 1, K) @ S).view(B, H, 1, V) if read else None     # Sᵀq
-        return None if o is None else self.read(o, gate[:, None], out=cache["read"])
+            if self.use_fla and _fla_recurrent is not None and y.is_cuda and not torch.compiler.is_compiling():
+                o = gated_delta_step_fla(z, ab, cache["S"], self.A_log, self.dt_bias)  # 1 kernel, 4 ops: the 11 below
+            else:
+                q, k = F.normalize(z[:, :2 * H * K].unflatten(-1, (2, H, K)), dim=-1, eps=1e-6).unbind(1)
+                # e^g = exp(−A·softplus(a + dt_bias)) = σ(−a − dt_bias)^A: −W_a stored, one add (to fp32), a sigmoid
+                s = torch.sigmoid(ab + cache["ab_bias"])                            # (B, 2H): σ(−a − dt_bias), β
+                S.mul_(s[:, :H].pow(cache["A"]).view(B * H, 1, 1))                  # S ← e^g S
+                v = z[:, 2 * H * K:].reshape(B * H, 1, V)                             # a view at B=1, a copy above
+                u = torch.baddbmm(v, k.reshape(B * H, 1, K), S, alpha=-1)           # v − Sᵀk
+                S.baddbmm_(k.reshape(B * H, K, 1), u * s[:, H:].reshape(B * H, 1, 1))  # S ← S + k(β(v − Sᵀk))ᵀ
+                o = (q.reshape(B * H, 1, K) @ S).view(B, H, 1, V) if read else None  # Sᵀq
+        return self.read(o, gate[:, None], out=cache["read"]) if read else None
 
 
 class Layer(nn.Module):  # pre-norm mixer + pre-norm MLP; G has gdn, S attn (names as common.Block), R both

@@ -125,15 +125,49 @@ def test_fla_kernel_agrees_with_the_pytorch_reference():
     assert o.dtype == S.dtype == torch.float32 and rel(o, ref_o) < 1e-2 and rel(S, ref_S) < 1e-2  # bf16 kernel
 
 
+@pytest.mark.skipif(H._fla_recurrent is None or not torch.cuda.is_available(), reason="fla (Triton) and CUDA not both here")
+@pytest.mark.parametrize("B", [1, 2])
+def test_fla_decode_step_agrees_with_the_reference_step(B):
+    """On CUDA the eager decode step takes fla's fused recurrent kernel; from the same prefill it decodes like the
+    PyTorch step (their L2 norms differ only for |x|² near 1e-6) and leaves the same state, in fp32 and bf16."""
+    torch.manual_seed(0)
+    m = H.Model(tiny()).cuda().eval()
+    m.forced_route = torch.rand(B, 30, len(m.routed), device="cuda") < 0.5  # bf16 may flip a decision at the margin
+    x = torch.randint(0, 40, (B, 30), device="cuda")
+
+    def decode(fla):  # -> logits (B, 20, V), the GDN states
+        gdns = [mod for mod in m.modules() if isinstance(mod, H.GatedDeltaNet)]
+        for gdn in gdns:
+            gdn.use_fla = False
+        logits, state = m.prefill(x[:, :10])  # one prefill for both: only the step differs
+        for gdn in gdns:
+            gdn.use_fla = fla
+        steps = []
+        for t in range(10, 30):
+            logits, state = m.step(x[:, t:t + 1], state)
+            steps.append(logits.float())
+        return torch.stack(steps, 1), [c["S"] for c in state[0] if "S" in c]
+
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            (fla, S_fla), (ref, S_ref) = decode(True), decode(False)
+        assert torch.allclose(fla, ref, atol=tol, rtol=tol)
+        assert all(rel(a, b) < tol for a, b in zip(S_fla, S_ref))
+
+
 def test_use_fla_falls_back_to_the_chunked_reference_where_fla_cannot_run():
-    """use_fla=True (the default) takes fla's kernel only on CUDA under autocast with fla installed; elsewhere
-    the model is the same function as with use_fla=False (the pure-PyTorch chunked form)."""
+    """use_fla=True (the default) takes fla's kernels only on CUDA with fla installed; elsewhere the model is the
+    same function as with use_fla=False (the pure-PyTorch chunked form and decode step)."""
     torch.manual_seed(0)
     a, b = H.Model(tiny(use_fla=True)).eval(), H.Model(tiny(use_fla=False)).eval()
     b.load_state_dict(a.state_dict())
     x = torch.randint(0, 40, (2, 32))
     with torch.no_grad():
         assert torch.equal(a(x)[0], b(x)[0])
+        (la, sa), (lb, sb) = a.prefill(x[:, :20]), b.prefill(x[:, :20])
+        for t in range(20, 24):
+            (la, sa), (lb, sb) = a.step(x[:, t:t + 1], sa), b.step(x[:, t:t + 1], sb)
+            assert torch.equal(la, lb)
 
 
 # ---------------------------------------------------------------- the GDN layer against its equations
