@@ -507,7 +507,13 @@ def main(argv=None):
         if any(a == "--sample" or a.startswith("--sample=") for a in argv):
             return sample_run(argv)
         cfg, module, resume = parse_args(argv)
-        return train(cfg, module, resume)
+        best = train(cfg, module, resume)
+        if "RANK" in os.environ:
+            # DDP keeps gloo's worker threads alive past destroy_process_group, and one that frees a collective's
+            # tensors while the interpreter shuts down aborts the process (SIGABRT): a finished worker skips that
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(0)
+        return best
     except NanorouteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
