@@ -125,7 +125,7 @@ def test_fla_kernel_agrees_with_the_pytorch_reference():
     assert o.dtype == S.dtype == torch.float32 and rel(o, ref_o) < 1e-2 and rel(S, ref_S) < 1e-2  # bf16 kernel
 
 
-@pytest.mark.skipif(H._fla_recurrent is None or not torch.cuda.is_available(), reason="fla (Triton) and CUDA not both here")
+@pytest.mark.skipif(H._fla_recurrent is None or not torch.cuda.is_available(), reason="no fla (Triton) or no CUDA")
 @pytest.mark.parametrize("B", [1, 2])
 def test_fla_decode_step_agrees_with_the_reference_step(B):
     """On CUDA the eager decode step takes fla's fused recurrent kernel; from the same prefill it decodes like the
