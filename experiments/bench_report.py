@@ -2,6 +2,7 @@
 
   python experiments/bench_report.py out/bench/cpu_*.json
   python experiments/bench_report.py --host-bound 30e-6     # bench.py all's GPU wall time, modelled on the CPU
+  python experiments/bench_report.py --cuda-ops             # the hybrid's what=ops rows as CUDA dispatches them
 
 Prints, per file set: the machine line, the sparse-vs-dense rows of every suite with the FLOPs-ideal
 speed-up and the share of its gain measured, the crossover rows, and the decode rows.
@@ -83,8 +84,47 @@ def host_bound(per_op):
     print(md_table(out + [["all", "", "", f"{total:.1f}"]], ["suite", "timed calls s", "other ops s", "total s"]))
 
 
+def cuda_ops():
+    """The hybrid's `what=ops` rows counted here as CUDA dispatches them: F.rms_norm as CUDA's one fused op
+    (aten::_fused_rms_norm; the CPU build runs a 6-op composite), then also with fla-core on CUDA, whose decode
+    step calls fla's fused kernel: a stand-in dispatches what fla-core 0.6 dispatches besides its launch (two
+    allocations) and computes the kernel's numbers uncounted, so every token takes the reference's route. Not
+    seen here, added in results/bench.md: a device-to-host copy per tolist(), a launch per fla kernel."""
+    import torch
+    import torch.nn.functional as F
+    import bench
+    import hybrid_attn as H
+
+    def fused_rms_norm(x, shape, w, eps):
+        with torch._C._DisableTorchDispatch():  # uncounted: one op on CUDA
+            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            return x * r * (1 if w is None else w), r
+
+    def fla_step(q, k, v, g, beta, initial_state, A_log, dt_bias, **kw):  # (B, 1, H, ·), raw g and β logits
+        o, S = torch.empty_like(v), q.new_empty(initial_state.shape, dtype=torch.float32)
+        with torch._C._DisableTorchDispatch():  # the kernel's work, uncounted
+            qn, kn = (t[:, 0] / (t[:, 0].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() for t in (q, k))  # (B, H, K)
+            St = initial_state * torch.exp(-A_log.exp() * F.softplus(g[:, 0].float() + dt_bias))[..., None, None]
+            u = torch.sigmoid(beta[:, 0].float())[..., None] * (v[:, 0] - (St * kn[..., None]).sum(-2))  # (B, H, V)
+            S.copy_(St + kn[..., None] * u[..., None, :])
+            o.copy_((S * qn[..., None]).sum(-2)[:, None])
+        return o, S
+
+    class Cuda(torch.Tensor):  # the step's device test answered yes
+        is_cuda = property(lambda self: True)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_fused_rms_norm", fused_rms_norm, "CPU")
+    print("fused RMSNorm:", [(r["path"], r["ops"]) for r in bench.ops_rows("hybrid")])
+    step, H._fla_recurrent = H.GatedDeltaNet.step, fla_step
+    H.GatedDeltaNet.step = lambda self, y, *a: step(self, y.as_subclass(Cuda), *a)
+    print("fused RMSNorm, fla-core:", [(r["path"], r["ops"]) for r in bench.ops_rows("hybrid")])
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--host-bound"]:
         host_bound(float(sys.argv[2]))
+    elif sys.argv[1:2] == ["--cuda-ops"]:
+        cuda_ops()
     else:
         main(sys.argv[1:])
