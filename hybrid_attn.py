@@ -232,18 +232,20 @@ class GatedDeltaNet(nn.Module):  # write(h): the recurrence over every token; re
     @torch.no_grad()
     def step(self, y, cache, read=True):  # y = h cache["w"]ᵀ (B, 1, ·), GDN's first; conv, S updated in place
         B, H, K, V = y.size(0), self.H, self.K, self.V
-        p, ab, gate = y[:, 0, :cache["rows"]].split([H * (2 * K + V), 2 * H, H * V], -1)
+        ch = H * (2 * K + V)                                                        # conv channels [q, k, v]
+        ab, gate = y[:, 0, ch:cache["rows"]].split([2 * H, H * V], -1)             # [−W_a x, W_b x], W_g x
         S = cache["S"].view(B * H, K, V)                                            # fp32, updated in place
         with torch.autocast(y.device.type, enabled=False):
-            z = torch.addcmul(cache["conv"], p[..., None], cache["taps"])           # (B, ch, 4): z_t, next sums
-            cache["conv"][..., :3].copy_(z[..., 1:])
-            z = F.silu(z[..., 0])                                                   # (B, ch) fp32
+            # [p, ab] in one: ab's rows have taps [1, 0, 0, 0] and the constant sums [−dt_bias, 0] (fp32 adds)
+            z = torch.addcmul(cache["conv"], y[:, 0, :ch + 2 * H, None], cache["taps"])  # (B, ch + 2H, 4)
+            cache["conv"][..., :3].copy_(z[..., 1:])                                # next sums
+            z, s = F.silu(z[:, :ch, 0]), z[:, ch:, 0]                               # (B, ch), (B, 2H) fp32
             if self.use_fla and _fla_recurrent is not None and y.is_cuda and not torch.compiler.is_compiling():
-                o = gated_delta_step_fla(z, ab, cache["S"], self.A_log, self.dt_bias)  # 1 kernel, 4 ops: the 11 below
+                o = gated_delta_step_fla(z, ab, cache["S"], self.A_log, self.dt_bias)  # 1 kernel, 4 ops: the 10 below
             else:
                 q, k = F.normalize(z[:, :2 * H * K].unflatten(-1, (2, H, K)), dim=-1, eps=1e-6).unbind(1)
-                # e^g = exp(−A·softplus(a + dt_bias)) = σ(−a − dt_bias)^A: −W_a stored, one add (to fp32), a sigmoid
-                s = torch.sigmoid(ab + cache["ab_bias"])                            # (B, 2H): σ(−a − dt_bias), β
+                # e^g = exp(−A·softplus(a + dt_bias)) = σ(−a − dt_bias)^A: −W_a stored, the bias added above
+                s = torch.sigmoid(s)                                                # (B, 2H): σ(−a − dt_bias), β
                 S.mul_(s[:, :H].pow(cache["A"]).view(B * H, 1, 1))                  # S ← e^g S
                 v = z[:, 2 * H * K:].reshape(B * H, 1, V)                             # a view at B=1, a copy above
                 u = torch.baddbmm(v, k.reshape(B * H, 1, K), S, alpha=-1)           # v − Sᵀk
@@ -457,13 +459,14 @@ def gdn_decode_cache(gdn, cache, S, p, dtype):
         tail = F.pad(p, (3, 0))[..., -3:].to(f32)                                   # last 3 conv inputs (B, ch, 3)
         # s_j: what the tail adds to conv output T−1+j (j = 1, 2, 3); step() adds each new input's part to all
         sums = F.conv1d(F.pad(tail, (0, 3)), gdn.conv.weight.to(f32), groups=ch)   # (B, ch, 3)
-    cache["conv"] = F.pad(sums, (0, 1))                                             # (B, ch, 4); slot 3 stays 0
-    cache["taps"] = gdn.conv.weight[:, 0].flip(-1).to(f32)                          # (ch, 4): w₃ (z_t), w₂, w₁, w₀
+    ab_bias = torch.cat([-gdn.dt_bias, torch.zeros_like(gdn.dt_bias)]).to(f32)      # (2H,)
+    cache["conv"] = torch.cat([F.pad(sums, (0, 1)), ab_bias[:, None].expand(sums.size(0), -1, 4)], 1)  # (B, ch+2H, 4)
+    cache["taps"] = torch.cat([gdn.conv.weight[:, 0].flip(-1).to(f32),             # (ch, 4): w₃ (z_t), w₂, w₁, w₀
+                               F.pad(ab_bias.new_ones(2 * gdn.H, 1), (0, 3))])      # (2H, 4): 1, 0, 0, 0
     cache["S"] = S.contiguous()
     cache["w"] = torch.cat([gdn.qkv_proj.weight, -gdn.a_proj.weight, gdn.b_proj.weight, gdn.g_proj.weight]).to(dtype)
     cache["rows"], cache["b"] = cache["w"].size(0), None
     cache["read"] = S.new_empty(S.size(0), 1, gdn.H, gdn.V, dtype=dtype)  # W_o's input in its dtype: no cast op
-    cache["ab_bias"] = torch.cat([-gdn.dt_bias, torch.zeros_like(gdn.dt_bias)]).to(f32)
     cache["A"] = gdn.A_log.exp().to(f32)
     for t in (cache["S"], cache["conv"], cache["read"]):
         torch._dynamo.mark_static_address(t)
