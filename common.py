@@ -507,8 +507,9 @@ def past_mask(pos, S, dtype):
 # 3. Compute accounting. FLOPs are forward multiply-adds × 2, per token, per layer.
 
 def tlops_saving(alpha, n_layer):
-    """TSA eq. (7): Δ = 1 − (1 + (L−1)α)/L, the always-on stem block counted in both terms."""
-    return 1.0 - (1.0 + (n_layer - 1) * alpha) / n_layer
+    """TSA eq. (7): Δ = 1 − (1 + (L−1)α)/L = (1 − α)(L−1)/L, the always-on stem block counted in both terms
+    (the second form: two ops on a tensor α, where the first takes four)."""
+    return (1.0 - alpha) * ((n_layer - 1) / n_layer)
 
 
 def flops_qkv(d):            return 2 * 3 * d * d
