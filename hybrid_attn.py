@@ -452,8 +452,8 @@ def sparse_mix(gdn, attn, h, plan, cache=None):  # normed h (B, T, C) -> a route
 
 @torch.no_grad()
 def gdn_decode_cache(gdn, cache, S, p, dtype):
-    """Made once at prefill for GDN.step: S (B, H, K, V) and the conv's partial sums, updated in place (fixed
-    addresses: a CUDA graph); [W_qkv; −W_a; W_b; W_g] in the matmul dtype, bias [−dt_bias, 0], A = e^{A_log}."""
+    """Made once at prefill for GDN.step: S (B, H, K, V) and the conv's partial sums (ab's rows: [−dt_bias, 0]),
+    updated in place (fixed addresses: a CUDA graph); [W_qkv; −W_a; W_b; W_g] in the matmul dtype, A = e^{A_log}."""
     ch, f32 = p.size(1), S.dtype                                                    # p: conv inputs (B, ch, T)
     with torch.autocast(p.device.type, enabled=False):
         tail = F.pad(p, (3, 0))[..., -3:].to(f32)                                   # last 3 conv inputs (B, ch, 3)
