@@ -186,8 +186,9 @@ def tiny_run(data_dir, tmp_path_factory):
 
 def test_sample_with_an_empty_prompt_starts_from_a_newline(tiny_run, capsys):
     """nanoGPT's sample.py starts from a newline; so does --prompt "" (it was an IndexError). --compile
-    samples the same text through the compiled step."""
-    args = ["--sample", tiny_run, "--prompt", "", "--num_tokens", "5", "--temperature", "0"]
+    samples the same text through the compiled step (on the CPU: under CUDA's bf16 a compiled kernel may round
+    differently, and a barely trained model's near-tie then picks another token)."""
+    args = ["--sample", tiny_run, "--prompt", "", "--num_tokens", "5", "--temperature", "0", "--device", "cpu"]
     train.main(args)
     text = capsys.readouterr().out.split("sample:\n", 1)[1]
     assert text.startswith("\n") and len(text) > 1
