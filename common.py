@@ -507,8 +507,7 @@ def past_mask(pos, S, dtype):
 # 3. Compute accounting. FLOPs are forward multiply-adds × 2, per token, per layer.
 
 def tlops_saving(alpha, n_layer):
-    """TSA eq. (7): Δ = 1 − (1 + (L−1)α)/L = (1 − α)(L−1)/L, the always-on stem block counted in both terms
-    (the second form: two ops on a tensor α, where the first takes four)."""
+    """TSA eq. (7): Δ = 1 − (1 + (L−1)α)/L = (1 − α)(L−1)/L (2 ops on a tensor α, not 4); the stem in both."""
     return (1.0 - alpha) * ((n_layer - 1) / n_layer)
 
 

@@ -406,8 +406,7 @@ def sparse_trunk(model, x, caches=None):
             xa = gated(xa, ga, block.attn_delta(x).view(B * T, C).index_select(0, idx))
         xa = gated(xa, ga, block.ffn_delta(xa))                            # (N, C) FFN on active tokens only
         x = x.view(B * T, C).index_copy(0, idx, xa).view(B, T, C)
-    # the shares go to the device without waiting for it: a blocking copy to a GPU would be one more host sync
-    return x, ps, torch.tensor(ran, dtype=ps[0].dtype).to(x.device, non_blocking=True)
+    return x, ps, torch.tensor(ran, dtype=ps[0].dtype).to(x.device, non_blocking=True)  # blocking: one more sync
 
 
 # ----------------------------------------------------------------------------------------------------
