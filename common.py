@@ -403,9 +403,8 @@ class LM(nn.Module):
         was_training = self.training
         self.eval()
         cached = use_cache and hasattr(self, "prefill")
-        cuda = idx.device.type == "cuda"
-        step = self.step if not (cached and compile) else torch.compile(
-            self.step, mode="reduce-overhead" if cuda else "default")
+        graphs = cached and compile and idx.device.type == "cuda"  # the step replayed as CUDA graphs
+        step = torch.compile(self.step, mode="reduce-overhead" if graphs else None) if cached and compile else self.step
         w_prev, state = -1, None
         for _ in range(max_new_tokens):
             w = window_start(idx.size(1), self.cfg.block_size)
@@ -413,9 +412,11 @@ class LM(nn.Module):
                 logits = self(idx[:, w:])[0][:, -1]                 # (B, V)
             elif w != w_prev:                                        # first token, or the window restarted
                 logits, state = self.prefill(idx[:, w:])
+                kept = {t.data_ptr() for t in state if torch.is_tensor(t)}  # fixed addresses (a mask) stay as they are
             else:
-                if compile and cuda:  # the state a step returns feeds the next one: a new CUDA-graph step
-                    torch.compiler.cudagraph_mark_step_begin()
+                if graphs:  # a replay overwrites what the last one returned, so the state's new tensors (the
+                    state = tuple(t.clone() if torch.is_tensor(t) and t.data_ptr() not in kept else t for t in state)
+                    torch.compiler.cudagraph_mark_step_begin()  # position) are copied out before the next step
                 logits, state = step(idx[:, -1:], state)
             w_prev = w
             idx = torch.cat([idx, sample_next(logits, temperature, top_k)], dim=1)
@@ -584,8 +585,7 @@ def make_optimizer(model, cfg, device):
         is_embedding = name.startswith(("wte", "wpe")) or "lm_head" in name
         (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
 def lr_at(it, cfg):

@@ -314,12 +314,12 @@ class EarlyExit(common.LM):
     @torch.no_grad()
     def prefill(self, idx):
         """No KV cache (an exited token's K/V come from its frozen state): the state is the window itself."""
-        return self(idx)[0][:, -1], idx
+        return self(idx)[0][:, -1], (idx,)
 
     @torch.no_grad()
     def step(self, tok, state):
-        idx = torch.cat([state, tok], dim=1)
-        return self(idx)[0][:, -1], idx
+        idx = torch.cat([state[0], tok], dim=1)
+        return self(idx)[0][:, -1], (idx,)
 
     @torch.no_grad()
     def routing_map(self, idx):
