@@ -142,11 +142,14 @@ def test_gpt_decode_step_compiles_to_one_graph_that_decodes_like_eager():
         assert compiled_decode_matches(m, prompt, 12) == 1
 
 
-def test_generate_compiled_equals_eager_token_for_token():
-    """train.py --sample --compile's path: generate(compile=True) (inductor on CPU) samples the same tokens as
-    eager, also past block_size where the cache is rebuilt."""
-    m = tiny_gpt(block_size=16)
-    prompt = torch.randint(0, 65, (1, 4), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here"))])
+def test_generate_compiled_equals_eager_token_for_token(device):
+    """train.py --sample --compile's path: generate(compile=True) (inductor; on CUDA replayed as CUDA graphs, each
+    step's state fed to the next replay) samples the same tokens as eager (fp32), also past block_size where the
+    cache is rebuilt."""
+    m = tiny_gpt(block_size=16).to(device)
+    prompt = torch.randint(0, 65, (1, 4), generator=torch.Generator().manual_seed(0)).to(device)
     torch._dynamo.reset()
     eager = m.generate(prompt, 20, temperature=0)
     compiled = m.generate(prompt, 20, temperature=0, compile=True)
