@@ -397,8 +397,8 @@ class LM(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False):
         """Sample max_new_tokens after idx (B, T0) in eval mode (hard routing) on the window
-        idx[:, window_start(n, block_size):], through prefill(idx) -> (logits (B, V), state) and step(tok (B, 1),
-        state) -> (logits, state). use_cache=False recomputes the window every token (the reference).
+        idx[:, window_start(n, block_size):], through prefill(idx) -> (logits (B, V), state: a tuple) and
+        step(tok (B, 1), state) -> (logits, state). use_cache=False recomputes the window every token (the reference).
         compile=True compiles the step (fixed shapes): on CUDA as one CUDA graph per step."""
         was_training = self.training
         self.eval()
