@@ -392,6 +392,19 @@ def test_eval_batches_are_fixed_and_differ_by_split_and_index():
     assert all(not torch.equal(a, b) for i, a in enumerate(xs) for b in xs[i + 1:])
 
 
+@pytest.mark.parametrize("name,flags", [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
+def test_decode_state_is_a_tuple_whose_tensors_a_step_keeps_or_replaces(name, flags):
+    """generate(compile=True) on CUDA copies a step's new state tensors out of the CUDA graph's pool and keeps
+    those at the addresses prefill gave (caches, masks): it walks the state as a tuple, for every model."""
+    model, cfg = tiny_model(name, *flags)
+    idx = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, state = model.eval().prefill(idx)
+        _, new = model.step(idx[:, -1:], state)
+    assert isinstance(state, tuple) and isinstance(new, tuple) and len(new) == len(state)
+    assert any(torch.is_tensor(t) for t in new)  # the position (early exit: its window), which a step replaces
+
+
 @pytest.mark.parametrize("name", list(TINY))
 @pytest.mark.parametrize("kind", ["chars", "records"])
 def test_estimate_loss_is_the_mean_over_eval_iters_fixed_batches(name, kind):
