@@ -233,7 +233,7 @@ class GatedDeltaNet(nn.Module):  # write(h): the recurrence over every token; re
     def step(self, y, cache, read=True):  # y = h cache["w"]ᵀ (B, 1, ·), GDN's first; conv, S updated in place
         B, H, K, V = y.size(0), self.H, self.K, self.V
         ch = H * (2 * K + V)                                                        # conv channels [q, k, v]
-        ab, gate = y[:, 0, ch:cache["rows"]].split([2 * H, H * V], -1)             # [−W_a x, W_b x], W_g x
+        ab, gate = y[:, 0, ch:ch + H * (2 + V)].split([2 * H, H * V], -1)          # [−W_a x, W_b x], W_g x
         S = cache["S"].view(B * H, K, V)                                            # fp32, updated in place
         with torch.autocast(y.device.type, enabled=False):
             # [p, ab] in one: ab's rows have taps [1, 0, 0, 0] and the constant sums [−dt_bias, 0] (fp32 adds)
@@ -453,7 +453,7 @@ def sparse_mix(gdn, attn, h, plan, cache=None):  # normed h (B, T, C) -> a route
 @torch.no_grad()
 def gdn_decode_cache(gdn, cache, S, p, dtype):
     """Made once at prefill for GDN.step: S (B, H, K, V) and the conv's partial sums (ab's rows: [−dt_bias, 0]),
-    updated in place (fixed addresses: a CUDA graph); [W_qkv; −W_a; W_b; W_g] in the matmul dtype, A = e^{A_log}."""
+    updated in place (fixed addresses: a CUDA graph); [W_qkv; −W_a; W_b; W_g; 0] in matmul dtype; A = e^{A_log}."""
     ch, f32 = p.size(1), S.dtype                                                    # p: conv inputs (B, ch, T)
     with torch.autocast(p.device.type, enabled=False):
         tail = F.pad(p, (3, 0))[..., -3:].to(f32)                                   # last 3 conv inputs (B, ch, 3)
@@ -464,7 +464,9 @@ def gdn_decode_cache(gdn, cache, S, p, dtype):
     cache["taps"] = torch.cat([gdn.conv.weight[:, 0].flip(-1).to(f32),             # (ch, 4): w₃ (z_t), w₂, w₁, w₀
                                F.pad(ab_bias.new_ones(2 * gdn.H, 1), (0, 3))])      # (2H, 4): 1, 0, 0, 0
     cache["S"] = S.contiguous()
-    cache["w"] = torch.cat([gdn.qkv_proj.weight, -gdn.a_proj.weight, gdn.b_proj.weight, gdn.g_proj.weight]).to(dtype)
+    w = torch.cat([gdn.qkv_proj.weight, -gdn.a_proj.weight, gdn.b_proj.weight, gdn.g_proj.weight]).to(dtype)
+    # zero rows to a multiple of 8: the Q appended after starts on 16 bytes, which CUDA's fused attention assumes
+    cache["w"] = F.pad(w, (0, 0, 0, -w.size(0) % 8))  # unchecked (pytorch/pytorch#183484: 'misaligned address')
     cache["rows"], cache["b"] = cache["w"].size(0), None
     cache["read"] = S.new_empty(S.size(0), 1, gdn.H, gdn.V, dtype=dtype)  # W_o's input in its dtype: no cast op
     cache["A"] = gdn.A_log.exp().to(f32)

@@ -405,6 +405,39 @@ def test_decode_state_is_a_tuple_whose_tensors_a_step_keeps_or_replaces(name, fl
     assert any(torch.is_tensor(t) for t in new)  # the position (early exit: its window), which a step replaces
 
 
+def aligned_16_bytes(t):
+    """Where a view starts and every step between its rows (dims of size 1 aside) fall on 16 bytes."""
+    n = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * n % 16 == 0 for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1)
+
+
+@pytest.mark.parametrize("name,flags", [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
+def test_attention_inputs_are_16_byte_aligned(name, flags, monkeypatch):
+    """CUDA's memory-efficient and cuDNN attention choose a kernel from strides and head size but not from where
+    a view starts (pytorch/pytorch#183484): a q, k or v that is a view at an offset off 16 bytes crashes them
+    ('misaligned address'; it did on an H200 in the hybrid's decode step). Every SDPA call a model makes —
+    training, eval and sparse forwards, prefill and B=2 decode steps, in CPU bf16 autocast — gets aligned q, k, v."""
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kw):
+        seen.append((q, k, v))
+        return sdpa(q, k, v, *args, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model, cfg = tiny_model(name, *flags)
+    idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.train()(idx)
+        model.eval()(idx)
+        model(idx, sparse=True)
+        _, state = model.prefill(idx[:, :8])
+        for t in range(8, 12):
+            _, state = model.step(idx[:, t:t + 1], state)
+    assert seen
+    bad = [(i, j, t.dtype, t.shape, t.stride(), t.storage_offset()) for i, qkv in enumerate(seen)
+           for j, t in enumerate(qkv) if not aligned_16_bytes(t)]
+    assert not bad, f"{len(bad)} of {3 * len(seen)} SDPA inputs off 16 bytes (call, q|k|v, ...): {bad[:3]}"
+
+
 @pytest.mark.parametrize("name", list(TINY))
 @pytest.mark.parametrize("kind", ["chars", "records"])
 def test_estimate_loss_is_the_mean_over_eval_iters_fixed_batches(name, kind):
