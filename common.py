@@ -274,6 +274,10 @@ def decode(meta, ids):
 # ----------------------------------------------------------------------------------------------------
 # 2. Blocks and the dense GPT
 
+def dropout(x, p, training):  # F.dropout, not called where it is the identity (a call costs host time on a GPU)
+    return F.dropout(x, p) if training and p > 0 else x
+
+
 class CausalSelfAttention(nn.Module):
     """Split into qkv() / attend() / c_proj so routed models can run any part on a subset of tokens."""
 
@@ -283,7 +287,6 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def split_heads(self, t):
         B, T, C = t.shape
@@ -302,7 +305,7 @@ class CausalSelfAttention(nn.Module):
         return y.transpose(1, 2).reshape(B, T, nh * hs)
 
     def forward(self, x):
-        return self.resid_dropout(self.c_proj(self.attend(*self.qkv(x))))
+        return dropout(self.c_proj(self.attend(*self.qkv(x))), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -310,10 +313,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = cfg.dropout
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        return dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -360,7 +363,6 @@ class LM(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # no padding_idx: id 0 is '\n' in shakespeare
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
@@ -382,7 +384,7 @@ class LM(nn.Module):
         if T > self.cfg.block_size:
             raise NanorouteError(f"sequence of length {T} exceeds block_size {self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        return dropout(self.wte(idx) + self.wpe(pos), self.cfg.dropout, self.training)  # (B, T, C)
 
     def head(self, x, targets=None):
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
@@ -563,9 +565,7 @@ def autocast(device, dtype=None):
     dtype = dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise NanorouteError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if dtype == "fp32":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[dtype])
+    return nullcontext() if dtype == "fp32" else torch.autocast(device.type, dtype=DTYPES[dtype])
 
 
 def sync(device):

@@ -169,7 +169,8 @@ class DTRBlock(common.Block):
         y = self.attn.c_proj(torch.where(delta[..., None], a, v))  # (B, T, C)
         if self.variant == "no_vo":                                  # A5: bypass without W_V W_O
             y = torch.where(delta[..., None], y, h)
-        return torch.addcmul(x, g[..., None], self.attn.resid_dropout(y))  # x + g·y in one op, fp32
+        y = common.dropout(y, self.attn.dropout, self.training)
+        return torch.addcmul(x, g[..., None], y)                  # x + g·y in one op, fp32
 
     def attend_masked(self, x):
         """Reference: attention over all tokens with the boolean mask of eq. (6)."""

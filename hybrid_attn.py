@@ -191,7 +191,7 @@ class GatedDeltaNet(nn.Module):  # write(h): the recurrence over every token; re
         self.dt_bias = nn.Parameter(torch.zeros(H))
         self.norm_weight = nn.Parameter(torch.ones(V))           # per-head RMSNorm gain
         self.c_proj = nn.Linear(H * V, cfg.n_embd, bias=cfg.bias)  # named like attention's: residual init
-        self.drop = nn.Dropout(cfg.dropout)
+        self.dropout = cfg.dropout
 
     @torch.no_grad()
     def reset_gdn_parameters(self):  # A ~ U(0, 16), dt log-uniform in [1e-3, 0.1], dt_bias = softplus⁻¹(dt)
@@ -224,7 +224,7 @@ class GatedDeltaNet(nn.Module):  # write(h): the recurrence over every token; re
         o = F.rms_norm(o, (self.V,), self.norm_weight.to(o.dtype), eps=1e-6 * self.K)     # per head
         o = o.permute(2, 0, 1, 3) if token_major else o.transpose(1, 2)            # (n, B, H, V) | (B, n, H, V)
         o = torch.mul(F.silu(gate).unflatten(-1, (self.H, self.V)), o, out=out)  # the gate first: its layout
-        return self.drop(self.c_proj(o.flatten(-2)))
+        return common.dropout(self.c_proj(o.flatten(-2)), self.dropout, self.training)
 
     def forward(self, h, cache=None):
         return self.read(self.write(h, cache), self.g_proj(h))
@@ -278,7 +278,7 @@ class Layer(nn.Module):  # pre-norm mixer + pre-norm MLP; G has gdn, S attn (nam
             q, k, v = self.attn.qkv(h)                                              # (B, nh, T, hs)
             if cache is not None:                                                   # prefill: K/V into a KVCache
                 cache["kv"] = common.KVCache(x.size(0), cache["block_size"], k, v)
-            mix = self.attn.resid_dropout(self.attn.c_proj(self.attn.attend(q, k, v)))
+            mix = common.dropout(self.attn.c_proj(self.attn.attend(q, k, v)), self.attn.dropout, self.training)
         elif plan is None:
             mix = y[..., :1] * self.gdn(h) + y[..., 1:] * self.attn(h)             # (B, T, C)
         else:

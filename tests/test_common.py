@@ -405,6 +405,24 @@ def test_decode_state_is_a_tuple_whose_tensors_a_step_keeps_or_replaces(name, fl
     assert any(torch.is_tensor(t) for t in new)  # the position (early exit: its window), which a step replaces
 
 
+@pytest.mark.parametrize("name,flags", [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
+def test_dropout_acts_in_training_only(name, flags, monkeypatch):
+    """Residual and embedding dropout (common.dropout) runs in training when p > 0, at least once per layer and
+    at the embedding; in eval or at p = 0 F.dropout is not even called (each call is host time on a GPU). The
+    same weights with p = 0.5 and 0 give equal eval logits (attention's own dropout is off in eval too)."""
+    calls, f_dropout = [], F.dropout
+    monkeypatch.setattr(F, "dropout", lambda x, *a, **kw: calls.append(1) or f_dropout(x, *a, **kw))
+    idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for p in (0.5, 0.0):
+        model, cfg = tiny_model(name, *flags, f"--dropout={p}")
+        for mode in ("eval", "train"):
+            calls.clear()
+            logits[p, mode] = model.train(mode == "train")(idx)[0]
+            assert len(calls) >= cfg.n_layer + 1 if (p, mode) == (0.5, "train") else not calls, (p, mode, len(calls))
+    assert torch.equal(logits[0.5, "eval"], logits[0.0, "eval"])
+
+
 def aligned_16_bytes(t):
     """Where a view starts and every step between its rows (dims of size 1 aside) fall on 16 bytes."""
     n = t.element_size()
