@@ -81,6 +81,18 @@ def test_count_ops_counts_kernels_not_views():
     assert total == 4 and ops == {"add": 1, "mul": 1, "_to_copy": 1, "exp": 1}, ops
 
 
+def test_op_counter_counts_the_host_reads_that_wait_for_a_gpu():
+    """.item(), nonzero (its size) and tolist are syncs on a GPU; arithmetic, casts and views are not; tolist,
+    which dispatches nothing on the CPU, is counted around it and torch.Tensor.tolist is itself again after."""
+    x, tolist = torch.randn(4, 6), torch.Tensor.tolist
+    with bench.OpCounter() as c:
+        (x + 1).to(torch.bfloat16).view(24)
+    assert c.syncs == 0
+    with bench.OpCounter() as c:
+        x.sum().item(), (x > 0).nonzero(), x[0].tolist(), x.max(0).values.tolist()
+    assert c.syncs == 4 and torch.Tensor.tolist is tolist
+
+
 def test_bench_ops_rows_for_the_dense_gpt_match_a_direct_count():
     """bench's `what=ops` gpt rows are count_ops of the forward at B=8, T=256 and of a B=1 decode step at the
     bars' size, under bf16 autocast; the step's count is the same for every position (a static-shape step)."""
