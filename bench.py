@@ -245,8 +245,14 @@ def ops_rows(suite):
     if suite == "gpt":
         return [{"suite": suite, "what": "ops", "path": f"gpt_{p}", "ops": n, "syncs": s, "dtype": "bf16"}
                 for p, (n, s) in gpt.items()]
+    import tsa  # its decode step reads no routing decision on the host off the CPU: count what CUDA runs
+    decides_on_host, tsa.decides_on_host = tsa.decides_on_host, lambda x: False
+    try:
+        paths = count_paths(ops_model(suite))
+    finally:
+        tsa.decides_on_host = decides_on_host
     rows = []
-    for path, (n, syncs) in count_paths(ops_model(suite)).items():
+    for path, (n, syncs) in paths.items():
         ref = gpt["step" if path == "step" else "forward"][0]
         row = {"suite": suite, "what": "ops", "path": "dense_hard" if path == "forward" else path, "ops": n,
                "syncs": syncs, "gpt_ops": ref, "ratio_vs_gpt": n / ref, "dtype": "bf16"}
