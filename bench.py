@@ -245,12 +245,15 @@ def ops_rows(suite):
     if suite == "gpt":
         return [{"suite": suite, "what": "ops", "path": f"gpt_{p}", "ops": n, "syncs": s, "dtype": "bf16"}
                 for p, (n, s) in gpt.items()]
-    import tsa  # its decode step reads no routing decision on the host off the CPU: count what CUDA runs
-    decides_on_host, tsa.decides_on_host = tsa.decides_on_host, lambda x: False
+    import conddepth, tsa  # off the CPU their decode steps read no routing decision on the host: count what CUDA runs
+    host = [(mod, mod.decides_on_host) for mod in (tsa, conddepth)]
     try:
+        for mod, _ in host:
+            mod.decides_on_host = lambda x: False
         paths = count_paths(ops_model(suite))
     finally:
-        tsa.decides_on_host = decides_on_host
+        for mod, f in host:
+            mod.decides_on_host = f
     rows = []
     for path, (n, syncs) in paths.items():
         ref = gpt["step" if path == "step" else "forward"][0]
