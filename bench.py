@@ -245,17 +245,8 @@ def ops_rows(suite):
     if suite == "gpt":
         return [{"suite": suite, "what": "ops", "path": f"gpt_{p}", "ops": n, "syncs": s, "dtype": "bf16"}
                 for p, (n, s) in gpt.items()]
-    import conddepth, tsa  # off the CPU their decode steps read no routing decision on the host: count what CUDA runs
-    host = [(mod, mod.decides_on_host) for mod in (tsa, conddepth)]
-    try:
-        for mod, _ in host:
-            mod.decides_on_host = lambda x: False
-        paths = count_paths(ops_model(suite))
-    finally:
-        for mod, f in host:
-            mod.decides_on_host = f
     rows = []
-    for path, (n, syncs) in paths.items():
+    for path, (n, syncs) in count_paths(ops_model(suite)).items():
         ref = gpt["step" if path == "step" else "forward"][0]
         row = {"suite": suite, "what": "ops", "path": "dense_hard" if path == "forward" else path, "ops": n,
                "syncs": syncs, "gpt_ops": ref, "ratio_vs_gpt": n / ref, "dtype": "bf16"}

@@ -420,10 +420,6 @@ def sparse_ffn(block, cheap, a, m):                                  # a (B, T, 
 # ----------------------------------------------------------------------------------------------------
 # Cached decoding: every layer caches every token's K/V; state = (the KVCaches, the position (0-d), the folds)
 
-def decides_on_host(x):  # reading the decision on the host: free on the CPU (one FFN runs); on a GPU a sync,
-    return x.device.type == "cpu"  # which cost ~10 ops on the H200 (results/bench.md): there both FFNs run, a select
-
-
 class Model(CondDepthLM):
     @torch.no_grad()
     def step(self, tok, state=None):                                 # tok (B, T') from pos on; state None: a prompt
@@ -447,9 +443,9 @@ class Model(CondDepthLM):
                 x = a + block.ffn_delta(a)
                 continue
             full = self.controller(j, a, folds[j])[0] > self.thresholds[j]  # (B, T')
-            if prompt or (x.size(0) == 1 and decides_on_host(x) and not torch.compiler.is_compiling()):
-                x = sparse_ffn(block, self.cheap[j], a, full)       # one sync, one FFN
-            else:                                                    # B > 1, a GPU or compiled: both FFNs, a select
+            if prompt or (x.size(0) == 1 and not torch.compiler.is_compiling()):  # one sync, one FFN
+                x = sparse_ffn(block, self.cheap[j], a, full)
+            else:                                                    # B > 1 or compiled: both FFNs, a select
                 x = a + torch.where(full[..., None], block.ffn_delta(a), self.cheap[j](a))  # (B, 1, d), eq. (4)
         return self.head(x[:, -1:])[0][:, -1], (caches, pos + tok.size(1), folds)
 

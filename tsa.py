@@ -412,23 +412,19 @@ def sparse_trunk(model, x, caches=None):
 # ----------------------------------------------------------------------------------------------------
 # Cached decoding (common.LM.generate): hard routing, the same decisions as the eval forward
 
-def decides_on_host(x):  # reading p on the host: free on the CPU (halted blocks skipped); on a GPU a sync, which
-    return x.device.type == "cpu"  # cost ~10 ops on the H200 (results/bench.md): there every block runs, gated
-
-
 def decode_block(model, block, cache, x, pos, mask, p):
-    """One routed block of a decode step: x (B, 1, C), p (B, 1, 1). Every row writes its K/V at pos. On the CPU
-    the rest runs unless every row halts (a compiled step captures both variants); on a GPU every row runs it,
-    the hard gate (0 for a halted row) keeping a halted row's state."""
+    """One routed block of a decode step: x (B, 1, C), p (B, 1, 1). Every row writes its K/V at pos; the rest of
+    the block runs unless every row halts. That decision is taken on the host (one sync per layer; on the H200 this
+    B=1 step ran 1.4x faster than one running every block gated, with no sync: experiments/decode_sync.py), so a
+    compiled step captures two variants of a layer (K/V only; the whole block) and replays them once seen."""
     attn = block.attn
     q, k, v = attn.qkv(block.ln_1(x))                                      # 3 × (B, nh, 1, hs)
     k, v = cache.append(pos, k, v)                                         # (B, nh, S, hs)
-    host = decides_on_host(x)
-    if host and p.min().item() > 0.5:  # every row halts: its K/V only, no attention / c_proj / FFN
+    if p.min().item() > 0.5:  # every row halts: its K/V only, no attention / c_proj / FFN
         return x
     y = attn.attend(q, k, v, attn_mask=mask)                               # (B, 1, C)
-    # the eval gate (0 for halted rows), or at B = 1 on the host an active token's: 1 ("01") or 1 − p
-    g = model.gate(p, "hard") if x.size(0) > 1 or not host else None if model.cfg.hard_variant == "01" else 1.0 - p
+    # B > 1: the eval gate (0 for halted rows); B = 1: the token is active, its gate is 1 ("01") or 1 − p
+    g = model.gate(p, "hard") if x.size(0) > 1 else None if model.cfg.hard_variant == "01" else 1.0 - p
     x = gated(x, g, attn.c_proj(y))
     return gated(x, g, block.ffn_delta(x))
 

@@ -198,33 +198,6 @@ def test_batch_one_decoding_takes_one_path_per_layer(dev):
     assert decided.any(1).all() and (~decided).any(1).all()           # every layer ran each path alone
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_without_host_reads_is_the_same_step(monkeypatch, dtype):
-    """Off the CPU a B = 1 decode step reads no decision on the host (a sync cost ~10 ops on the H200): both FFNs
-    run and a select keeps one. Forced on the CPU: the same logits as the host-deciding step (one FFN after one
-    sync a controlled layer), bit for bit, fp32 and bf16 autocast, with both paths taken, and no sync."""
-    m = calibrated(make(torch.float32, gate="G3", block_size=24)).eval()
-    x = data(B=1, T=24, seed=3)[0]
-
-    def decode():
-        out = []
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            logits, state = m.prefill(x[:, :8])
-            for t in range(8, 24):
-                with bench.OpCounter() as c:
-                    logits, state = m.step(x[:, t:t + 1], state)
-                out.append(logits)
-        return torch.stack(out, 1), c.syncs
-    on_host, host_syncs = decode()
-    monkeypatch.setattr(cd, "decides_on_host", lambda x: False)
-    selected, syncs = decode()
-    assert torch.equal(selected, on_host) and host_syncs == m.cfg.n_controlled and syncs == 0
-    with torch.no_grad():
-        m(x)  # the causal eval forward takes the step's decisions
-    decided = torch.stack(m.last_masks)[:, 0, 8:]                    # (C, 16) decisions of the decoded tokens
-    assert decided.any() and not decided.all()  # full and cheap FFNs both decoded
-
-
 @pytest.mark.parametrize("B", [1, 2])
 def test_compiled_decode_has_fixed_shapes(B):
     """torch.compile(step) decodes the eager step's tokens and compiles no graph after the first tokens: no shape

@@ -339,35 +339,6 @@ def test_cached_decode_exact_fp64_and_preallocated(B):
     assert (steps > 0.5).any() and (steps <= 0.5).any()  # both branches of decode_block ran
 
 
-@pytest.mark.parametrize("hard_variant", ["scaled", "01"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_without_host_reads_is_the_same_step(monkeypatch, hard_variant, dtype):
-    """Off the CPU a decode step reads no routing decision on the host (a sync cost ~10 ops on the H200): every
-    routed block runs and the hard gate keeps a halted row's state. Forced on the CPU: the same logits as the
-    host-deciding step, bit for bit, at B=1 and 3 with halted and active tokens (fp32, and bf16 autocast), and
-    the step makes no sync."""
-    m = make(mixed=True, dtype=torch.float32, hard_variant=hard_variant).eval()
-    rec = record_p(m)
-
-    def decode(B):
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            logits, state = m.prefill(ids(B=3)[:B, :8])
-            out = [logits]
-            for t in range(8, 24):
-                with bench.OpCounter() as c:
-                    logits, state = m.step(ids(B=3)[:B, t:t + 1], state)
-                out.append(logits)
-        return torch.stack(out, 1), c.syncs
-    for B in (1, 3):
-        on_host, host_syncs = decode(B)
-        with monkeypatch.context() as mp:
-            mp.setattr(tsa, "decides_on_host", lambda x: False)
-            gated, syncs = decode(B)
-        assert torch.equal(gated, on_host) and host_syncs == 3 and syncs == 0
-    steps = torch.cat([p.flatten() for p in rec if p.size(1) == 1])
-    assert (steps > 0.5).any() and (steps <= 0.5).any()  # halted and active tokens both decoded
-
-
 def window_start(n, block_size):
     if hasattr(common, "window_start"):
         return common.window_start(n, block_size)
