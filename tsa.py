@@ -415,8 +415,8 @@ def sparse_trunk(model, x, caches=None):
 def decode_block(model, block, cache, x, pos, mask, p):
     """One routed block of a decode step: x (B, 1, C), p (B, 1, 1). Every row writes its K/V at pos; the rest of
     the block runs unless every row halts. That decision is taken on the host (one sync per layer; on the H200 this
-    B=1 step ran 1.4x faster than one running every block gated, with no sync: experiments/decode_sync.py), so a
-    compiled step captures two variants of a layer (K/V only; the whole block) and replays them once seen."""
+    B=1 step ran 1.4x faster than one running every block gated, with no sync: results/bench.md), so a compiled
+    step captures two variants of a layer (K/V only; the whole block) and replays them once seen."""
     attn = block.attn
     q, k, v = attn.qkv(block.ln_1(x))                                      # 3 × (B, nh, 1, hs)
     k, v = cache.append(pos, k, v)                                         # (B, nh, S, hs)

@@ -3,6 +3,7 @@
   python experiments/bench_report.py out/bench/cpu_*.json
   python experiments/bench_report.py --host-bound 30e-6     # bench.py all's GPU wall time, modelled on the CPU
   python experiments/bench_report.py --cuda-ops             # the hybrid's what=ops rows as CUDA dispatches them
+  python experiments/bench_report.py --decode-sync [cuda]   # B=1 decoding: host-deciding steps vs sync-free ones
 
 Prints, per file set: the machine line, the sparse-vs-dense rows of every suite with the FLOPs-ideal
 speed-up and the share of its gain measured, the crossover rows, and the decode rows.
@@ -121,10 +122,75 @@ def cuda_ops():
     print("fused RMSNorm, fla-core:", [(r["path"], r["ops"]) for r in bench.ops_rows("hybrid")])
 
 
+def decode_sync(dev):
+    """B=1 cached decoding, eager bf16: the routed decode steps, which read each routing decision on the host (one
+    sync a routed layer, then only the chosen work), against sync-free steps that run every choice and keep one with
+    a select (TSA: every block, gated; conddepth: both FFNs), patched in here. Mixed routing (bench.ops_model), the
+    dense GPT of the same size beside them, 7 interleaved repeats of a 100-token prompt and 120 greedy tokens."""
+    import statistics
+    import time
+    import torch
+    import bench
+    import common
+    import conddepth
+    import tsa
+
+    def tsa_gated_block(model, block, cache, x, pos, mask, p):  # no host read: every row runs the block, the
+        attn = block.attn                                      # hard gate (0 for a halted row) keeps its state
+        q, k, v = attn.qkv(block.ln_1(x))                      # 3 × (B, nh, 1, hs)
+        k, v = cache.append(pos, k, v)                         # (B, nh, S, hs)
+        g = model.gate(p, "hard")                              # (B, 1, 1)
+        x = tsa.gated(x, g, attn.c_proj(attn.attend(q, k, v, attn_mask=mask)))
+        return tsa.gated(x, g, block.ffn_delta(x))
+
+    def conddepth_select_ffn(block, cheap, a, m, sparse_ffn=conddepth.sparse_ffn):  # a decoded token: both FFNs
+        if a.size(1) > 1:                                                          # a prompt: as before
+            return sparse_ffn(block, cheap, a, m)
+        return a + torch.where(m[..., None], block.ffn_delta(a), cheap(a))        # (B, 1, d)
+
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    prompt = torch.randint(0, 65, (1, 100), generator=torch.Generator().manual_seed(1)).to(dev)
+
+    def run(m, patch=None):  # (ms a token, the tokens)
+        host = patch and getattr(patch[0], patch[1])
+        if patch:
+            setattr(*patch)
+        try:
+            sync()
+            t = time.perf_counter()
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                out = m.generate(prompt, 120, temperature=0)
+            sync()
+            return (time.perf_counter() - t) / 120 * 1e3, out
+        finally:
+            if patch:
+                setattr(patch[0], patch[1], host)
+
+    torch.manual_seed(0)
+    gpt = common.Model(common.Config(**bench.OPS_SIZE)).to(dev).eval()
+    for suite, patch in (("tsa", (tsa, "decode_block", tsa_gated_block)),
+                         ("conddepth", (conddepth, "sparse_ffn", conddepth_select_ffn))):
+        m = bench.ops_model(suite).to(dev).eval()
+        for _ in range(2):  # warm-up
+            run(gpt), run(m), run(m, patch)
+        g, h, s = [], [], []
+        for _ in range(7):
+            g.append(run(gpt)[0])
+            (th, a), (ts, b) = run(m), run(m, patch)
+            h.append(th)
+            s.append(ts)
+        mg, mh, ms = (statistics.median(v) for v in (g, h, s))
+        print(f"{suite}: ms a token: dense GPT {mg:.3f}, host-deciding {mh:.3f}, sync-free {ms:.3f}; host-deciding "
+              f"{ms / mh:.3f}x as fast; same tokens {torch.equal(a, b)}; spreads {min(h):.2f}-{max(h):.2f}, "
+              f"{min(s):.2f}-{max(s):.2f}, {min(g):.2f}-{max(g):.2f}", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--host-bound"]:
         host_bound(float(sys.argv[2]))
     elif sys.argv[1:2] == ["--cuda-ops"]:
         cuda_ops()
+    elif sys.argv[1:2] == ["--decode-sync"]:
+        decode_sync(sys.argv[2] if len(sys.argv) > 2 else "cuda")
     else:
         main(sys.argv[1:])
