@@ -413,10 +413,9 @@ def sparse_trunk(model, x, caches=None):
 # Cached decoding (common.LM.generate): hard routing, the same decisions as the eval forward
 
 def decode_block(model, block, cache, x, pos, mask, p):
-    """One routed block of a decode step: x (B, 1, C), p (B, 1, 1). Every row writes its K/V at pos; the rest of
-    the block runs unless every row halts. That decision is taken on the host (one sync per layer; on the H200 this
-    B=1 step ran 1.4x faster than one running every block gated, with no sync: results/bench.md), so a compiled
-    step captures two variants of a layer (K/V only; the whole block) and replays them once seen."""
+    """One routed block of a decode step: x (B, 1, C), p (B, 1, 1). Every row writes its K/V at pos; the rest runs
+    unless every row halts, read on the host (a sync; 1.4x faster on the H200 than running every block gated:
+    results/bench.md). A compiled step captures both variants of a layer (K/V only; the whole block)."""
     attn = block.attn
     q, k, v = attn.qkv(block.ln_1(x))                                      # 3 × (B, nh, 1, hs)
     k, v = cache.append(pos, k, v)                                         # (B, nh, S, hs)
