@@ -42,6 +42,7 @@ class Config:
     n_embd: int = 192
     dropout: float = 0.0
     bias: bool = False
+    gelu: str = "none"         # the FFN's GELU: "none" (exact) or "tanh" (GPT-2's approximation)
     # training
     max_iters: int = 2250
     batch_size: int = 16
@@ -74,6 +75,8 @@ class Config:
                 raise NanorouteError(f"{f.name} must be {f.type.__name__}, got {v!r}")
             elif f.type is float and not math.isfinite(v):
                 raise NanorouteError(f"{f.name} must be a finite number, got {v}")
+        if self.gelu not in ("none", "tanh"):
+            raise NanorouteError(f"gelu must be 'none' (exact) or 'tanh' (GPT-2), got {self.gelu!r}")
         if self.n_embd % self.n_head:
             raise NanorouteError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size", "eval_iters",
@@ -102,7 +105,7 @@ PAPER = dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max
              min_lr=1e-4, beta2=0.95, weight_decay=0.1, dropout=0.2, eval_interval=500)
 PRESETS = {"classroom": CLASSROOM, "paper": PAPER}
 
-ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "gelu")
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Data
@@ -314,9 +317,11 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.gelu = cfg.gelu
 
     def forward(self, x):
-        return dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)
+        h = F.gelu(self.c_fc(x), approximate=self.gelu)  # (B, T, 4C)
+        return dropout(self.c_proj(h), self.dropout, self.training)
 
 
 class Block(nn.Module):
