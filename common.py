@@ -29,7 +29,7 @@ class NanorouteError(Exception):
     """A user-facing problem (bad flag, missing data, corrupt checkpoint): printed as one line."""
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Config: nanoGPT's field names; every paper's Config subclasses this one.
 
 @dataclass
@@ -107,7 +107,7 @@ PRESETS = {"classroom": CLASSROOM, "paper": PAPER}
 
 ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "gelu")
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. Data
 
 DATA_DIR = "data"
@@ -274,15 +274,12 @@ def decode(meta, ids):
     return " ".join({BOS: "[BOS]", SEP: "[SEP]", EOS: "[EOS]"}.get(i, str(i)) for i in ids)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. Blocks and the dense GPT
 
-def dropout(x, p, training):  # F.dropout, not called where it is the identity (a call costs host time on a GPU)
-    return F.dropout(x, p) if training and p > 0 else x
-
-
 class CausalSelfAttention(nn.Module):
-    """Split into qkv() / attend() / c_proj so routed models can run any part on a subset of tokens."""
+    """Multi-head causal attention, split into qkv() / attend() / c_proj so that a routed model can
+    run each part on its own subset of tokens."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -300,7 +297,7 @@ class CausalSelfAttention(nn.Module):
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     def attend(self, q, k, v, attn_mask=None, causal=True):
-        """Causal SDPA, or under attn_mask (bool: True = may attend), or causal=False (every key) -> (B, T, C)."""
+        """Causal SDPA, or SDPA under attn_mask, or causal=False (every key) -> (B, T, C)."""
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
                                            is_causal=causal and attn_mask is None)  # (B, nh, T, hs)
@@ -308,7 +305,8 @@ class CausalSelfAttention(nn.Module):
         return y.transpose(1, 2).reshape(B, T, nh * hs)
 
     def forward(self, x):
-        return dropout(self.c_proj(self.attend(*self.qkv(x))), self.dropout, self.training)
+        y = self.c_proj(self.attend(*self.qkv(x)))  # (B, T, C)
+        return F.dropout(y, self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -321,11 +319,11 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h = F.gelu(self.c_fc(x), approximate=self.gelu)  # (B, T, 4C)
-        return dropout(self.c_proj(h), self.dropout, self.training)
+        return F.dropout(self.c_proj(h), self.dropout, self.training)
 
 
 class Block(nn.Module):
-    """Pre-norm block. attn_delta / ffn_delta are the residual updates TSA (eqs. 3–4) gates separately."""
+    """Pre-norm block; attn_delta / ffn_delta are the residual updates TSA (eqs. 3–4) gates."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -347,16 +345,15 @@ class Block(nn.Module):
     def prefill(self, x, block_size):
         """forward(x) that also returns this block's K/V in a KVCache."""
         q, k, v = self.attn.qkv(self.ln_1(x))  # 3 × (B, nh, T, hs)
-        cache = KVCache(x.size(0), block_size, k, v)
-        x = x + self.attn.c_proj(self.attn.attend(q, k, v)).to(x.dtype)
-        return x + self.ffn_delta(x).to(x.dtype), cache
+        x = x + self.attn.c_proj(self.attn.attend(q, k, v))
+        return x + self.ffn_delta(x), KVCache(x.size(0), block_size, k, v)
 
     def step(self, x, cache, pos, mask):
-        """One new token x (B, 1, C) at position pos (0-d tensor) against the cache of its past; mask =
-        past_mask(pos, block_size, dtype), made once per step for every layer."""
+        """One new token x (B, 1, C) at position pos (0-d tensor) against the cache of its past;
+        mask = past_mask(pos, block_size, dtype), made once per step for every layer."""
         q, k, v = self.attn.qkv(self.ln_1(x))  # 3 × (B, nh, 1, hs)
-        k, v = cache.append(pos, k, v)        # (B, nh, S, hs)
-        x = x + self.attn.c_proj(self.attn.attend(q, k, v, attn_mask=mask))  # fp32 + bf16 promotes: no cast op
+        k, v = cache.append(pos, k, v)         # (B, nh, S, hs)
+        x = x + self.attn.c_proj(self.attn.attend(q, k, v, attn_mask=mask))
         return x + self.ffn_delta(x)
 
 
@@ -366,18 +363,19 @@ class LM(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # no padding_idx: id 0 is '\n' in shakespeare
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # no padding_idx: id 0 is '\n' here
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
 
     def init_weights(self):
-        """N(0, 0.02) everywhere, GPT-3's N(0, (0.02/√(2L))²) on projections into the residual stream.
-        Subclasses call this at the end of __init__, then apply their own special inits."""
+        """N(0, 0.02) everywhere, GPT-3's N(0, (0.02/√(2L))²) on projections into the residual
+        stream. Subclasses call this at the end of __init__, then apply their own special inits."""
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+                into_residual = name.endswith("c_proj.weight")
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if into_residual else 0.02
                 nn.init.normal_(p, 0.0, std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -389,41 +387,49 @@ class LM(nn.Module):
         if T > self.cfg.block_size:
             raise NanorouteError(f"sequence of length {T} exceeds block_size {self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
-        return dropout(self.wte(idx) + self.wpe(pos), self.cfg.dropout, self.training)  # (B, T, C)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        return F.dropout(x, self.cfg.dropout, self.training)
 
     def head(self, x, targets=None):
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
 
     def num_params(self):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel()  # nanoGPT's convention: position embeddings not counted
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False):
-        """Sample max_new_tokens after idx (B, T0) in eval mode (hard routing) on the window
-        idx[:, window_start(n, block_size):], through prefill(idx) -> (logits (B, V), state: a tuple) and
-        step(tok (B, 1), state) -> (logits, state). use_cache=False recomputes the window every token (the reference).
-        compile=True compiles the step (fixed shapes): on CUDA as one CUDA graph per step."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
+                 compile=False):
+        """Sample max_new_tokens after idx (B, T0) with eval's hard routing, on the window
+        idx[:, window_start(n, block_size):]. Cached: prefill(window) -> (logits (B, V), state, a
+        tuple), then step(tok (B, 1), state) -> (logits, state) per token; use_cache=False runs
+        the whole window per token (the reference). compile=True compiles the step (CUDA graphs
+        on CUDA)."""
         was_training = self.training
         self.eval()
         cached = use_cache and hasattr(self, "prefill")
-        graphs = cached and compile and idx.device.type == "cuda"  # the step replayed as CUDA graphs
-        step = torch.compile(self.step, mode="reduce-overhead" if graphs else None) if cached and compile else self.step
+        graphs = cached and compile and idx.device.type == "cuda"
+        step = self.step
+        if cached and compile:
+            step = torch.compile(self.step, mode="reduce-overhead" if graphs else None)
         w_prev, state = -1, None
         for _ in range(max_new_tokens):
             w = window_start(idx.size(1), self.cfg.block_size)
             if not cached:
-                logits = self(idx[:, w:])[0][:, -1]                 # (B, V)
-            elif w != w_prev:                                        # first token, or the window restarted
+                logits = self(idx[:, w:])[0][:, -1]  # (B, V)
+            elif w != w_prev:  # the first token, or the window restarted
                 logits, state = self.prefill(idx[:, w:])
-                kept = {t.data_ptr() for t in state if torch.is_tensor(t)}  # fixed addresses (a mask) stay as they are
+                fixed = {t.data_ptr() for t in state if torch.is_tensor(t)}  # e.g. a mask
             else:
-                if graphs:  # a replay overwrites what the last one returned, so the state's new tensors (the
-                    state = tuple(t.clone() if torch.is_tensor(t) and t.data_ptr() not in kept else t for t in state)
-                    torch.compiler.cudagraph_mark_step_begin()  # position) are copied out before the next step
+                if graphs:  # a CUDA-graph replay frees what the last one returned
+                    # (pytorch#152887): copy out what a step made (the position), not the caches
+                    state = tuple(t.clone() if torch.is_tensor(t) and t.data_ptr() not in fixed
+                                  else t for t in state)
+                    torch.compiler.cudagraph_mark_step_begin()
                 logits, state = step(idx[:, -1:], state)
             w_prev = w
             idx = torch.cat([idx, sample_next(logits, temperature, top_k)], dim=1)
@@ -432,8 +438,9 @@ class LM(nn.Module):
 
 
 def window_start(n, block_size):
-    """First index of the context window over n tokens: 0 while n <= block_size; beyond, it restarts from the
-    last block_size // 2 tokens and grows back (a cache is rebuilt once per block_size − h + 1 tokens)."""
+    """First index of the context window over n tokens: 0 while n <= block_size; beyond, it
+    restarts from the last h = block_size // 2 tokens and grows back (one prefill per
+    block_size − h + 1 tokens)."""
     if n <= block_size:
         return 0
     h = max(block_size // 2, 1)  # tokens kept when the window restarts
@@ -441,12 +448,13 @@ def window_start(n, block_size):
 
 
 def sample_next(logits, temperature=1.0, top_k=None):
-    """logits (B, V) -> next ids (B, 1); temperature 0 is greedy."""
+    """logits (B, V) -> next ids (B, 1) drawn from softmax(logits / temperature), restricted to the
+    top_k largest logits; temperature 0 is greedy."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))  # (B, k)
         logits[logits < v[:, [-1]]] = -float("inf")
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
@@ -466,18 +474,19 @@ class Model(LM):
         logits, loss = self.head(x, targets)
         return logits, loss, ({"lm_loss": loss.detach()} if loss is not None else {})
 
-    # Cached decoding: per layer K, V preallocated to block_size; state = (caches, position as a 0-d tensor).
-
     @torch.no_grad()
     def prefill(self, idx):
+        """idx (B, T) -> (logits (B, V) of the last position, state = (caches, position))."""
         x, caches = self.embed(idx), []  # (B, T, C)
         for block in self.blocks:
             x, cache = block.prefill(x, self.cfg.block_size)
             caches.append(cache)
-        return self.head(x[:, -1:])[0][:, -1], (caches, torch.tensor(idx.size(1), device=idx.device))
+        pos = torch.tensor(idx.size(1), device=idx.device)
+        return self.head(x[:, -1:])[0][:, -1], (caches, pos)
 
     @torch.no_grad()
     def step(self, tok, state):
+        """tok (B, 1) at the state's position (a 0-d tensor) -> (logits (B, V), state)."""
         caches, pos = state
         x = self.wte(tok) + self.wpe(pos)  # (B, 1, C)
         mask = past_mask(pos, self.cfg.block_size, caches[0].k.dtype)  # (1, S)
@@ -487,43 +496,56 @@ class Model(LM):
 
 
 class KVCache:
-    """K, V of one layer preallocated to block_size positions, in the dtype of the first K/V. A step writes at a
-    position held in a tensor and reads the whole buffer under past_mask: shapes fixed, one CUDA graph."""
+    """K, V of one layer preallocated to block_size positions. A step writes at a position held in
+    a tensor and reads the whole buffer under past_mask: fixed shapes, so one compiled graph."""
 
     def __init__(self, B, block_size, k, v):
         nh, T, hs = k.shape[1:]
         self.k = k.new_zeros(B, nh, block_size, hs)  # (B, nh, S, hs)
         self.v = v.new_zeros(B, nh, block_size, hs)
         self.k[:, :, :T], self.v[:, :, :T] = k, v
-        for t in (self.k, self.v):  # written in place by a captured step: CUDA graphs need a fixed address
+        for t in (self.k, self.v):  # written in place inside a CUDA graph: a fixed address
             torch._dynamo.mark_static_address(t)
 
     def append(self, pos, k, v):
-        """Write k, v (B, nh, 1, hs) at pos (0-d); return the buffers (B, nh, S, hs) (past_mask hides > pos)."""
+        """Write k, v (B, nh, 1, hs) at pos (0-d); return the buffers (B, nh, S, hs)."""
         self.k.index_copy_(2, pos.view(1), k)
         self.v.index_copy_(2, pos.view(1), v)
         return self.k, self.v
 
 
 def past_mask(pos, S, dtype):
-    """(1, S) additive mask in the cache's dtype: 0 at 0..pos, -inf after (a bool one is converted per layer)."""
+    """(1, S) additive attention mask in the cache's dtype: 0 at 0..pos, −inf after."""
     future = torch.arange(S, device=pos.device) > pos  # (S,)
     return torch.zeros(1, S, dtype=dtype, device=pos.device).masked_fill_(future, float("-inf"))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 3. Compute accounting. FLOPs are forward multiply-adds × 2, per token, per layer.
 
 def tlops_saving(alpha, n_layer):
-    """TSA eq. (7): Δ = 1 − (1 + (L−1)α)/L = (1 − α)(L−1)/L (2 ops on a tensor α, not 4); the stem in both."""
-    return (1.0 - alpha) * ((n_layer - 1) / n_layer)
+    """TSA eq. (7): Δ = 1 − (1 + (L−1)α)/L, the stem counted in both; α the mean active fraction."""
+    return 1.0 - (1.0 + (n_layer - 1) * alpha) / n_layer
 
 
-def flops_qkv(d):            return 2 * 3 * d * d
-def flops_attn_out(d):       return 2 * d * d
-def flops_attn_scores(d, n): return 2 * 2 * d * n        # q·k over n keys, then the weighted sum of n values
-def flops_ffn(d, hidden):    return 2 * 2 * d * hidden
-def flops_lm_head(d, vocab): return 2 * d * vocab
+def flops_qkv(d):
+    return 2 * 3 * d * d
+
+
+def flops_attn_out(d):
+    return 2 * d * d
+
+
+def flops_attn_scores(d, n):
+    return 2 * 2 * d * n  # q·k over n keys, then the weighted sum of n values
+
+
+def flops_ffn(d, hidden):
+    return 2 * 2 * d * hidden
+
+
+def flops_lm_head(d, vocab):
+    return 2 * d * vocab
 
 
 def mean_context(T):
@@ -533,11 +555,12 @@ def mean_context(T):
 
 def dense_flops_per_token(cfg, T):
     d = cfg.n_embd
-    layer = flops_qkv(d) + flops_attn_out(d) + flops_attn_scores(d, mean_context(T)) + flops_ffn(d, 4 * d)
+    attn = flops_qkv(d) + flops_attn_out(d) + flops_attn_scores(d, mean_context(T))
+    layer = attn + flops_ffn(d, 4 * d)
     return cfg.n_layer * layer + flops_lm_head(d, cfg.vocab_size)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 4. Device, optimiser, checkpoints, evaluation
 
 def pick_device(name="auto"):
@@ -551,22 +574,23 @@ def pick_device(name="auto"):
     return device
 
 
-# Numerics policy (every model file follows it; tests/conftest.py runs each contract under it): parameters and
-# the residual stream are fp32; autocast runs the matmuls in bf16/fp16, whose deltas are added to the fp32 stream
-# by type promotion (no cast op); routers decide in fp32; recurrent state (Gated DeltaNet) accumulates in fp32;
+# Numerics policy (every model file follows it; tests/conftest.py runs each contract under it):
+# parameters and the residual stream are fp32; autocast runs the matmuls in bf16/fp16, whose
+# deltas join the fp32 stream by type promotion; routers decide in fp32, so a decision does not
+# depend on the dtype the blocks run in; recurrent state (Gated DeltaNet) accumulates in fp32;
 # KV caches hold K/V in the dtype the projection produced.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def default_dtype(device):
-    """What training uses on this device: bf16 on CUDA (fp16 where bf16 is unsupported), fp32 elsewhere."""
+    """What training uses on a device: bf16 on CUDA (fp16 without bf16 support), else fp32."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "fp32"
 
 
 def autocast(device, dtype=None):
-    """The autocast context for a device and a dtype name ('fp32' = none). dtype None: default_dtype."""
+    """The autocast context for a device and a dtype name ('fp32': none; None: default_dtype)."""
     dtype = dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise NanorouteError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -581,7 +605,7 @@ def sync(device):
 
 
 def make_optimizer(model, cfg, device):
-    """AdamW; weight decay on matrices only (not on biases, norms, embeddings or 1-D gate parameters)."""
+    """AdamW; weight decay on matrices only (not biases, norms, embeddings or 1-D gates)."""
     decay, no_decay, seen = [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
@@ -589,15 +613,18 @@ def make_optimizer(model, cfg, device):
         seen.add(id(p))
         is_embedding = name.startswith(("wte", "wpe")) or "lm_head" in name
         (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                             fused=device.type == "cuda")
 
 
 def lr_at(it, cfg):
     """Linear warm-up, then cosine to min_lr at max_iters."""
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / cfg.warmup_iters
-    return cosine((it - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters), cfg.learning_rate, cfg.min_lr)
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters)
+    return cosine(ratio, cfg.learning_rate, cfg.min_lr)
 
 
 def cosine(ratio, hi, lo):
@@ -632,13 +659,14 @@ def eval_rng(seed, split, k):
 
 @torch.no_grad()
 def estimate_loss(model, data, meta, cfg, device, split="val", sparse=False):
-    """Mean LM loss, accuracy and routing stats (floats) over cfg.eval_iters fixed batches, in eval mode."""
+    """Mean LM loss, accuracy and routing stats (floats) over cfg.eval_iters fixed batches."""
     was_training = model.training
     model.eval()
     sums = {}
     seed = cfg.eval_seed if cfg.eval_seed >= 0 else cfg.seed
     for k in range(cfg.eval_iters):
-        x, y = get_batch(data, meta, cfg.batch_size, cfg.block_size, eval_rng(seed, split, k), device)
+        rng = eval_rng(seed, split, k)
+        x, y = get_batch(data, meta, cfg.batch_size, cfg.block_size, rng, device)
         with autocast(device):
             logits, loss, stats = model(x, y, sparse=sparse)
         mask = y >= 0

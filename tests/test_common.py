@@ -407,9 +407,9 @@ def test_decode_state_is_a_tuple_whose_tensors_a_step_keeps_or_replaces(name, fl
 
 @pytest.mark.parametrize("name,flags", [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
 def test_dropout_acts_in_training_only(name, flags, monkeypatch):
-    """Residual and embedding dropout (common.dropout) runs in training when p > 0, at least once per layer and
-    at the embedding; in eval or at p = 0 F.dropout is not even called (each call is host time on a GPU). The
-    same weights with p = 0.5 and 0 give equal eval logits (attention's own dropout is off in eval too)."""
+    """Residual and embedding dropout acts in training when p > 0, at least once per layer and at the
+    embedding; in eval it is the identity: the same weights with p = 0.5 and 0 give equal eval logits
+    (attention's own dropout is off in eval too), and p = 0 in training changes nothing either."""
     calls, f_dropout = [], F.dropout
     monkeypatch.setattr(F, "dropout", lambda x, *a, **kw: calls.append(1) or f_dropout(x, *a, **kw))
     idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -419,8 +419,10 @@ def test_dropout_acts_in_training_only(name, flags, monkeypatch):
         for mode in ("eval", "train"):
             calls.clear()
             logits[p, mode] = model.train(mode == "train")(idx)[0]
-            assert len(calls) >= cfg.n_layer + 1 if (p, mode) == (0.5, "train") else not calls, (p, mode, len(calls))
+            if (p, mode) == (0.5, "train"):
+                assert len(calls) >= cfg.n_layer + 1, len(calls)
     assert torch.equal(logits[0.5, "eval"], logits[0.0, "eval"])
+    assert not torch.equal(logits[0.5, "train"], logits[0.5, "eval"])
 
 
 def aligned_16_bytes(t):
@@ -820,6 +822,41 @@ def test_bench_paper_suites_quick_smoke(suite):
 
 # ---------------------------------------------------------------------------------------------------
 # cached decoding, the device matrix and the window policy shared by every model
+
+def sampled_probs(monkeypatch, logits, **kw):
+    """The distribution common.sample_next draws from (torch.multinomial's input), (B, V)."""
+    seen = []
+    monkeypatch.setattr(torch, "multinomial", lambda probs, num_samples: seen.append(probs) or
+                        probs.argmax(-1, keepdim=True))
+    common.sample_next(logits.clone(), **kw)
+    return seen[0]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sampling_temperature_divides_the_logits(monkeypatch, temperature):
+    """Sampling at temperature τ draws from softmax(logits / τ): τ < 1 sharpens, τ > 1 flattens."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.0, 3.0, 1.0]])
+    probs = sampled_probs(monkeypatch, logits, temperature=temperature)
+    assert torch.allclose(probs, torch.softmax(logits / temperature, -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_sampling_top_k_keeps_exactly_the_k_largest(monkeypatch, k):
+    """top_k keeps the k largest logits (renormalised, at the temperature) and zeroes the rest; a
+    k at or above the vocabulary keeps everything."""
+    logits = torch.tensor([[0.3, 2.0, -1.0, 1.5, 0.0], [1.0, -2.0, 0.5, 3.0, 2.5]])
+    probs = sampled_probs(monkeypatch, logits, temperature=0.7, top_k=k)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(min(k, 5)).indices, True)
+    want = torch.softmax((logits / 0.7).masked_fill(~keep, float("-inf")), -1)
+    assert ((probs > 0).sum(-1) == min(k, 5)).all()
+    assert torch.allclose(probs, want, atol=1e-6)
+
+
+def test_sampling_at_temperature_zero_is_greedy(monkeypatch):
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **kw: pytest.fail("sampled at τ = 0"))
+    logits = torch.tensor([[0.1, 0.9, 0.3], [2.0, -1.0, 1.9]])
+    assert common.sample_next(logits, temperature=0).tolist() == [[1], [0]]
+
 
 def test_window_start_keeps_between_half_and_full_block():
     for bs in (1, 2, 3, 8, 16):
