@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import bench
 import common
 from conftest import compiled_decode_matches, decoded_vs_full
 import conddepth as cd
@@ -27,10 +26,13 @@ def make(dtype=torch.float64, seed=0, randomize_cheap=True, **kw):
     """A model whose cheap path is NOT the identity (W_down randomised), so routing changes the output."""
     torch.manual_seed(seed)
     m = cd.Model(tiny(**kw)).to(dtype)
-    if randomize_cheap:
-        with torch.no_grad():
+    with torch.no_grad():
+        if randomize_cheap:
             for ffn in m.cheap:
                 ffn.down.weight.normal_(0, 0.5)
+        for name, p in m.named_parameters():  # bias=True: nonzero biases (init gives 0), so that one lost counts
+            if m.cfg.bias and name.endswith("bias") and name.startswith(("blocks.", "ln_f.")):
+                p.normal_(0, 0.2)
     return m
 
 
@@ -97,7 +99,9 @@ def agree(a_masks, b_masks):
 # ---- config ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw", [dict(rho=0.0), dict(rho=1.5), dict(gate="G2"), dict(recipe="A9"), dict(mode="foo"),
-                                dict(n_controlled=5), dict(tau=0.0)])
+                                dict(n_controlled=5), dict(tau=0.0), dict(d_c=0), dict(d_s=-1), dict(d_a=0),
+                                dict(pred_hidden=0), dict(cheap_rank=0), dict(g1_hidden=-1), dict(lam_util=-0.5),
+                                dict(oracle_window=0), dict(label_start=-1), dict(p_min=1.0)])
 def test_bad_config_is_one_line_error(kw):
     with pytest.raises(common.NanorouteError) as e:
         tiny(**kw)
@@ -114,6 +118,18 @@ def test_recipes_set_the_paper_flags_and_refuse_contradictions():
         tiny(recipe="A1", lam_jepa=0.5)  # used to give 0 silently
     with pytest.raises(common.NanorouteError):
         tiny(recipe="A3-G3", gate="G1")
+    # a flag that repeats the standard recipe's value contradicts a recipe too (it used to pass as a default)
+    with pytest.raises(common.NanorouteError, match="recipe A3-G1 sets gate=G1; gate=G3 contradicts it"):
+        tiny(recipe="A3-G1", gate="G3")
+    with pytest.raises(common.NanorouteError, match="recipe A1 sets lam_jepa=0.0; lam_jepa=1.0"):
+        tiny(recipe="A1", lam_jepa=1.0)
+    with pytest.raises(common.NanorouteError, match="recipe G1 sets shuffle_targets=False"):
+        tiny(recipe="G1", shuffle_targets=True)
+    std = tiny()  # no recipe: the standard one, each field given on its own
+    assert (std.gate, std.lam_jepa, std.lam_util, std.lam_rank, std.shuffle_targets) == ("G3", 1.0, 1.0, 0.2, False)
+    assert (tiny(gate="G1", lam_util=0.5).gate, tiny(lam_util=0.5).lam_util) == ("G1", 0.5)
+    saved = tiny(recipe="A3-G1")  # a saved config (its fields resolved) loads again as it was
+    assert cd.Config(**vars(saved)) == saved
     assert tiny(rho=1.0).rho == 1.0
 
 
@@ -129,12 +145,38 @@ def test_classroom_preset_trains_jointly_from_scratch():
     assert all(getattr(cfg, k) == v for k, v in common.CLASSROOM.items())
 
 
+def test_controller_only_needs_a_trained_start():
+    """From scratch (no init_from) a frozen random backbone would only hold the routers back (loss 4.16
+    where the GPT reaches 3.24): the default trains everything; with init_from the backbone is frozen."""
+    assert not tiny().controller_only and not tiny(controller_only=True).controller_only
+    assert tiny(init_from="ckpt.pt").controller_only and not tiny(init_from="x", controller_only=False).controller_only
+    m = make()
+    assert all(p.requires_grad for n, p in m.named_parameters() if ".target." not in n)
+
+
+def test_cli_help_and_one_line_errors(capsys):
+    import subprocess
+    import sys
+    for flag in ("-h", "--help"):
+        cd.main([flag])
+        out = capsys.readouterr().out
+        assert "usage: python conddepth.py" in out and "train.py" in out
+    for bad in (["foo"], ["--preset=paper"], ["-h", "x"]):
+        with pytest.raises(common.NanorouteError, match="takes no arguments"):
+            cd.main(bad)
+    cd.main([])
+    assert "A3-G3    0.553, 1.093" in capsys.readouterr().out
+    r = subprocess.run([sys.executable, cd.__file__, "--preset=paper"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+
+
 # ---- the model contract on every device × dtype ----------------------------------------------------
 
 @pytest.mark.parametrize("gate", ["G1", "G3"])
 @pytest.mark.parametrize("mode", ["causal", "topk"])
-def test_sparse_equals_dense_hard(dev, gate, mode):
-    m = calibrated(make(torch.float32, gate=gate, mode=mode)).to(dev.device).eval()
+@pytest.mark.parametrize("bias", [False, True])
+def test_sparse_equals_dense_hard(dev, gate, mode, bias):
+    m = calibrated(make(torch.float32, gate=gate, mode=mode, bias=bias)).to(dev.device).eval()
     x, y = data(B=6, device=dev.device)
     with torch.no_grad(), dev.autocast():
         dense, _, st = m(x, y)
@@ -173,8 +215,9 @@ def test_eval_is_causal_training_topk_is_not(dev):
         assert not torch.allclose(m(x)[0][:, :16].float(), m(x2)[0][:, :16].float(), atol=atol)
 
 
-def test_prefill_and_step_equal_the_full_forward(dev):
-    m = calibrated(make(torch.float32, gate="G3", block_size=16)).to(dev.device).eval()
+@pytest.mark.parametrize("bias", [False, True])
+def test_prefill_and_step_equal_the_full_forward(dev, bias):
+    m = calibrated(make(torch.float32, gate="G3", block_size=16, bias=bias)).to(dev.device).eval()
     x, _ = data(B=4, T=16, device=dev.device)
     with dev.autocast():
         steps, full = decoded_vs_full(m, x, 5)
@@ -184,10 +227,11 @@ def test_prefill_and_step_equal_the_full_forward(dev):
     assert 0 < torch.stack(m.last_masks).float().mean() < 1  # both paths were really taken
 
 
-def test_batch_one_decoding_takes_one_path_per_layer(dev):
+@pytest.mark.parametrize("bias", [False, True])
+def test_batch_one_decoding_takes_one_path_per_layer(dev, bias):
     """B = 1: the whole batch is one token, so each controlled layer runs the full FFN alone or the cheap alone
-    (sparse_ffn's two single-path branches, no gather); both must equal the full forward."""
-    m = calibrated(make(torch.float32, gate="G3", block_size=16)).to(dev.device).eval()
+    (the host decides which); both must equal the full forward."""
+    m = calibrated(make(torch.float32, gate="G3", block_size=16, bias=bias)).to(dev.device).eval()
     x, _ = data(B=1, T=16, seed=3, device=dev.device)
     with dev.autocast():
         steps, full = decoded_vs_full(m, x, 2)
@@ -210,95 +254,6 @@ def test_compiled_decode_has_fixed_shapes(B):
         m(torch.cat([prompt, m.generate(prompt, 12, temperature=0)[:, 6:]], 1))
     decided = torch.stack(m.last_masks)[:, :, 6:]                   # (C, B, 12) decisions of the decoded tokens
     assert decided.any() and not decided.all()
-
-
-@torch.no_grad()
-def op_counts(m, B=8, T=256):
-    """Ops dispatched (bench.count_ops) under bf16 autocast at the bars' batch (B = 8, T = 256) by the forward and
-    the sparse forward, and by a B = 1 decode step (step_ops)."""
-    idx = data(B=B, T=T)[0]
-    out = {}
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        m(idx)                                                       # warm-up: autocast keeps its weight casts
-        out["forward"] = bench.count_ops(m, idx)[0]
-        if isinstance(m, cd.Model):
-            out["sparse"] = bench.count_ops(m, idx, sparse=True)[0]
-    return {**out, "step": step_ops(m)}
-
-
-@torch.no_grad()
-def step_ops(m, steps=6):
-    """The worst of a few B = 1 decode steps after a 100-token prefill, under bf16 autocast (a routed step's count
-    depends on the path its token takes at each layer)."""
-    idx = data(B=1, T=100 + steps)[0]
-    counts = []
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, state = m.prefill(idx[:, :100])
-        for t in range(100, 100 + steps):
-            counts.append(bench.count_ops(lambda: m.step(idx[:, t:t + 1], state))[0])
-            _, state = m.step(idx[:, t:t + 1], state)
-    return max(counts)
-
-
-@pytest.mark.parametrize("controller_only", [True, False])
-@pytest.mark.parametrize("gate", ["G1", "G3"])
-def test_ops_per_call_within_the_bars(gate, controller_only):
-    """At this project's sizes a GPU is bound by how many ops the host dispatches, not by FLOPs. At the bars' depth
-    (6 layers, 2 controlled; narrow: counts do not depend on the width), against the dense GPT of the same size,
-    with mixed routing: sparse forward <= 2x its forward, B = 1 decode step <= 1.2x its step, whichever path the
-    token takes. And per controlled layer no more ops than the routing needs over a dense block (G3 folded: 6 ops,
-    the decision 1, the cheap FFN 5 + its add; sparse: + 1 sync, 1 gather, 1 write-back; dense-hard: + 1 select;
-    step: + 1 sync, one FFN), so one more cast or sync per layer fails. controller_only (the default): a frozen
-    weight would be cast to bf16 again at every call (autocast keeps copies of weights that require grad only)."""
-    torch.manual_seed(0)
-    cfg = cd.Config(n_layer=6, n_head=8, n_embd=32, block_size=256, vocab_size=65, gate=gate,
-                    controller_only=controller_only)
-    m = cd.Model(cfg).eval()
-    dense = common.Model(common.Config(**{k: getattr(cfg, k) for k in common.ARCH_FIELDS})).eval()
-    ref = op_counts(dense)
-    assert (ref["forward"], ref["step"]) == (79, 95)                  # the dense GPT's counts the bars are set from
-    with torch.no_grad():  # mixed routing: θ = the median score of the layer on this batch (a fresh θ is +inf)
-        m.thresholds.copy_(torch.stack([u.median() for u in scored(m, data(B=8, T=256)[0])[1]]))
-    ours = op_counts(m)
-    assert 0.3 < torch.stack(m.last_masks).float().mean() < 0.7
-    C = cfg.n_controlled
-    assert ours["sparse"] <= 2 * ref["forward"] and ours["sparse"] - ref["forward"] <= 16 * C, (ours, ref)
-    assert ours["forward"] - ref["forward"] <= 14 * C, (ours, ref)
-    for theta in (None, -math.inf, math.inf):                        # mixed, every token full, every token cheap
-        if theta is not None:
-            m.thresholds.fill_(theta)
-        step = step_ops(m)
-        assert step <= 1.2 * ref["step"] and step - ref["step"] <= 8 * C, (theta, step, ref)
-
-
-def test_g3_inference_fold_is_the_same_function(dev):
-    """GateG3 folded (the linear maps of eqs. 11–13 composed, what every inference path runs) == the gate as
-    trained, in fp32 under any autocast; and the model's routing and logits do not change with it."""
-    m = make(torch.float32, gate="G3").to(dev.device)
-    a = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(0)).to(dev.device)
-    with dev.autocast():
-        folds = m.folds()                                            # composed where inference composes them
-    for j, fold in enumerate(folds):
-        with dev.autocast():
-            u, q = m.controller(j, a, fold)
-        assert u.dtype == torch.float32 and q is None
-        torch.testing.assert_close(u, m.controller(j, a)[0], atol=1e-5, rtol=1e-5)
-        W_z, beta, M, c0 = fold  # what inference pays for: the counted FLOPs are these GEMMs
-        assert cd.controller_flops(m.cfg, False) == 2 * (W_z.numel() + M.numel() + m.gates[j].head[2].weight.numel())
-    m64 = calibrated(make(gate="G3")).eval()                         # float64: equal up to rounding
-    x, y = data(B=4)
-    with torch.no_grad():
-        unfolded, _, _ = m64(x, y)                                   # targets: the training form (q for JEPA)
-        masks = m64.last_masks
-        folded, _, _ = m64(x)                                        # inference: the fold
-    assert all(torch.equal(p, q) for p, q in zip(masks, m64.last_masks)) and 0 < torch.stack(masks).float().mean() < 1
-    torch.testing.assert_close(folded, unfolded, atol=1e-12, rtol=0)
-    with torch.no_grad():
-        for g in m64.gates:
-            g.w_c.weight.mul_(3)                                     # changed in place: the next forward folds again
-        unfolded = m64(x, y)[0]
-        assert not torch.allclose(unfolded, folded, atol=1e-3)
-        torch.testing.assert_close(m64(x)[0], unfolded, atol=1e-12, rtol=0)
 
 
 def test_cached_generate_equals_cache_free_past_block_size(dev):
@@ -366,6 +321,70 @@ def test_training_routes_exact_topk_whatever_the_thresholds(rho, T, k):
         assert mask.sum(-1).tolist() == [k] * x.size(0)  # exactly k full tokens in every sequence
         assert (u.masked_fill(~mask, -1e9).topk(k, -1).values == u.topk(k, -1).values).all()
     assert abs(stats["full_ratio"].item() - k / T) < 1e-6
+
+
+def test_topk_at_ties_keeps_exactly_k():
+    """Eq. (7): exactly k = ⌈ρT⌉ tokens run full, also when scores tie at the cut (a rule 'u >= the k-th
+    score' would run every tied token full)."""
+    u = torch.tensor([[0.0] * 8, [3.0, 1.0, 1.0, 1.0, 1.0, -2.0, 5.0, 1.0]])
+    m = cd.topk_mask(u, cd.budget_k(0.5, 8))
+    assert m.sum(-1).tolist() == [4, 4]
+    assert m[1, 0] and m[1, 6] and not m[1, 5] and m[1, [1, 2, 3, 4, 7]].sum() == 2  # 2 of the 5 tied at the cut
+
+
+@pytest.mark.parametrize("gate", ["G1", "G3"])
+def test_inference_rule_is_strict_at_the_threshold(gate):
+    """Inference: full iff u > θ_l (strict): a token whose score equals θ_l exactly takes the cheap FFN, in the
+    dense-hard forward, the sparse forward and the decode step (B = 1 and B = 2) alike."""
+    m = make(gate=gate, block_size=16).eval()
+    x = data(B=2, T=16, seed=5)[0]
+    u = scored(m, x)[1]
+    t = 9
+    with torch.no_grad():
+        m.thresholds.copy_(torch.stack([u[0][0, t], u[1].median()]))  # layer 1's θ = token (0, t)'s score
+        u = scored(m, x)[1]                                          # layer 2's scores follow layer 1's routing
+        m.thresholds[1] = u[1][0, t]
+        dense = m(x)[0]
+        masks = m.last_masks
+        assert not masks[0][0, t] and not masks[1][0, t]            # u == θ: cheap
+        assert all(torch.equal(mk, uj > th) for mk, uj, th in zip(masks, u, m.thresholds))
+        assert 0 < torch.stack(masks).float().mean() < 1
+        torch.testing.assert_close(m(x, sparse=True)[0], dense, atol=1e-12, rtol=0)
+        for B in (1, 2):
+            _, state = m.prefill(x[:B, :t])
+            torch.testing.assert_close(m.step(x[:B, t:t + 1], state)[0], dense[:B, t], atol=1e-12, rtol=0)
+        m.thresholds.copy_(torch.stack([uj[0, t] for uj in u]).nextafter(torch.tensor(-math.inf)))
+        assert not torch.allclose(m(x)[0][0, t], dense[0, t])       # one ulp below θ: full, other logits
+
+
+@pytest.mark.parametrize("gate", ["G1", "G3"])
+def test_flops_saved_at_known_shares(gate):
+    """FLOPs per token (inference) at shares set exactly, B = 3: layer 1 all full, layer 2 all cheap; then
+    the top-k's ρ = 0.25 on both. Golden numbers from the tiny sizes (d 32, d_ff 128, r 4, G1 hidden 8;
+    G3: W_c 32→16, P (16+4)→8→8 twice, D 24→8→1)."""
+    m = make(gate=gate).eval()
+    cfg, x, y = m.cfg, *data(B=3)
+    ffn, cheap, ctrl = 2 * 2 * 32 * 128, 2 * 2 * 32 * 4, {"G1": 2 * (32 * 8 + 8), "G3": 2320}[gate]
+    assert cd.controller_flops(cfg, False) == ctrl
+    dense = common.dense_flops_per_token(cfg, 32)
+    m.thresholds.copy_(torch.tensor([-math.inf, math.inf]))
+    st = m(x, y)[2]
+    assert (st["skip_l1"], st["skip_l2"], st["full_ratio"]) == (0, 1, 0.5)
+    assert abs(st["flops_saved_hard"] - (ffn - cheap - 2 * ctrl) / dense) < 1e-6
+    m.mode = "topk"
+    cfg.rho = 0.25
+    st = m(x, y)[2]
+    assert abs(st["full_ratio"] - 0.25) < 1e-9 and [mk.sum().item() for mk in m.last_masks] == [24, 24]
+    assert abs(st["flops_saved_hard"] - 2 * (0.75 * (ffn - cheap) - ctrl) / dense) < 1e-6
+    m.mode, cfg.rho = "causal", 0.5
+    with torch.no_grad():  # causal θ: rows route different numbers of tokens; the share is over all B·T
+        for j in range(2):
+            m.thresholds[j] = scored(m, x)[1][j][0].median()  # row 0's median: row 0 half full, others not
+        st = m(x, y)[2]
+    full = [mk.double().mean().item() for mk in m.last_masks]
+    assert any(abs(mk[0].double().mean().item() - f) > 0.05 for mk, f in zip(m.last_masks, full))
+    saved = sum((1 - f) * (ffn - cheap) - ctrl for f in full)
+    assert abs(st["full_ratio"] - sum(full) / 2) < 1e-6 and abs(st["flops_saved_hard"] - saved / dense) < 1e-6
 
 
 def test_thresholds_are_a_running_average_of_the_topk_cut():
@@ -674,7 +693,7 @@ def test_derangement_and_a2_shuffle():
 # ---- training scope, CLI ---------------------------------------------------------------------------
 
 def test_controller_only_freezes_the_backbone():
-    m = make(gate="G3", label_start=0)
+    m = make(gate="G3", label_start=0, init_from="a dense checkpoint")
     x, y = data()
     m.train().on_step(0)
     m(x, y)[1].backward()

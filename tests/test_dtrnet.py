@@ -8,17 +8,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import bench
 import common
 import dtrnet
 import train
 
 
 def make(seed=0, dtype=torch.float64, **kw):
+    """A tiny model; with bias=True every bias is random (init zeroes them, which would hide a lost bias)."""
     torch.manual_seed(seed)
     base = dict(n_layer=4, n_head=4, n_embd=32, block_size=64, vocab_size=50, layers="TDDT")
     cfg = dtrnet.Config(**{**base, **kw})
-    return dtrnet.Model(cfg).to(dtype)
+    m = dtrnet.Model(cfg)
+    for name, p in m.named_parameters():
+        if name.endswith("bias"):  # the router's small: the routing stays mixed
+            nn.init.normal_(p.data, 0.0, 1e-3 if ".router." in name else 0.1)
+    return m.to(dtype)
 
 
 class FixedRouter(nn.Module):
@@ -159,6 +163,28 @@ def test_router_is_eq1_on_the_residual_stream():
         assert st[f"frac_l{i}"].item() == pytest.approx((g[..., 0] > g[..., 1]).double().mean().item())
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_tie_bypasses_eq2_is_strict(bias):
+    """Eq. (2): δ = 1 only if g_attn > g_bypass. With W2 = 0 both logits are equal, so every token sits at
+    g_attn = g_bypass = 0.5 exactly: none is routed, on every path."""
+    m = make(layers="TDDT", bias=bias).train()
+    for b in d_blocks(m):
+        b.router.w2.weight.data.zero_()
+        if bias:
+            b.router.w2.bias.data.fill_(0.3)  # equal biases: still a tie
+    x = torch.randint(0, 50, (2, 24))
+    for b in d_blocks(m):
+        g_attn, g_bypass, delta = b.route(m.embed(x))
+        assert (g_attn == 0.5).all() and (g_bypass == 0.5).all() and not delta.any()
+    assert m(x, x)[2]["frac_attn"].item() == 0.0
+    m.eval()
+    assert m(x)[2]["frac_attn"].item() == 0.0 and m(x, sparse=True)[2]["frac_attn"].item() == 0.0
+    b = d_blocks(m)[0]
+    b.router.w2.weight.data[0] = 1e-4 * torch.randn(16, dtype=torch.float64)  # a hair off the tie
+    g_attn, _, delta = b.route(torch.randn(2, 24, 32, dtype=torch.float64))
+    assert delta.any() and not delta.all() and torch.equal(delta, g_attn > 0.5)
+
+
 def test_routing_loss_hand_computed():
     # layer counts f = (2, 6) tokens of 8 -> α = (0.25, 0.75); mean g_attn = (0.4, 0.8)
     g = torch.tensor([0.4, 0.8], requires_grad=True)
@@ -234,8 +260,9 @@ def test_sparse_equals_eval_varied_counts():
     assert torch.allclose(st["flops_ratio"], st2["flops_ratio"])
 
 
-def test_sparse_equals_eval_learned_router_and_row_independence():
-    m = make(layers="TDDT").eval()
+@pytest.mark.parametrize("bias", [False, True])
+def test_sparse_equals_eval_learned_router_and_row_independence(bias):
+    m = make(layers="TDDT", bias=bias).eval()
     x = torch.randint(0, 50, (4, 64))
     ref, _, _ = m(x)
     out, _, _ = m(x, sparse=True)
@@ -248,9 +275,10 @@ def test_sparse_equals_eval_learned_router_and_row_independence():
         assert torch.allclose(m(x2, sparse=sparse)[0][0], ref[0], atol=1e-10, rtol=0)
 
 
-def test_training_path_equals_masked_reference_with_gradients():
+@pytest.mark.parametrize("bias", [False, True])
+def test_training_path_equals_masked_reference_with_gradients(bias):
     """Training runs the packed path: its output AND every parameter gradient equal the eq. (6) mask's."""
-    m = make(layers="TDDT").train()
+    m = make(layers="TDDT", bias=bias).train()
     blk = d_blocks(m)[0]
     fix_routers(m, mixed_table(5, 40))
     x = torch.randn(5, 40, 32, dtype=torch.float64, requires_grad=True)
@@ -266,24 +294,33 @@ def test_training_path_equals_masked_reference_with_gradients():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_bucketed_packing_is_the_same_function(monkeypatch, dtype):
-    """pack_length rounds the packed length up to a multiple of PACK_MULTIPLE (the padding rows are bypassed
-    tokens): logits and every parameter gradient equal those of the exact packed length (PACK_MULTIPLE = 1), in
-    fp32 and under bf16 autocast."""
+def test_padded_packing_is_the_same_function(monkeypatch, dtype):
+    """Training packs every row to T and the sparse path rounds the packed length up to a multiple of
+    PACK_MULTIPLE (the padding rows are bypassed tokens): logits and every parameter gradient equal those of
+    the exact packed length, in fp32 and under bf16 autocast."""
     m = sharpen(make(dtype=torch.float32)).train()
     table = mixed_table(5, 48)[2:]  # rows routing ~10%, ~50%, ~90%: the largest count is not a multiple of 16
     fix_routers(m, table)
     x = torch.randint(0, 50, (3, 48))
-    runs = []
-    for mult in (1, 16):
+    n_max = int(table.sum(1).max())
+    padded, lengths, runs = dtrnet.DTRBlock.attend_packed, [], []
+
+    def exact(self, h, v, delta, R):
+        lengths.append(R)
+        return padded(self, h, v, delta, n_max)
+
+    for attend_packed, mult in ((exact, 1), (padded, 16)):
+        monkeypatch.setattr(dtrnet.DTRBlock, "attend_packed", attend_packed)
         monkeypatch.setattr(dtrnet, "PACK_MULTIPLE", mult)
         runs.append(dtrnet.pack_length(table))
-        m.zero_grad()
+        m.train().zero_grad()
         with common.autocast(torch.device("cpu"), dtype):
             logits, loss, _ = m(x, x)
+            sparse = m.eval()(x, sparse=True)[0].float()
         loss.backward()
-        runs.append([logits.float()] + [p.grad for p in m.parameters() if p.grad is not None])
-    assert runs[0] == table.sum(1).max() < runs[2] == 48  # the bucketed batch really has padding rows
+        runs.append([logits.float(), sparse] + [p.grad for p in m.parameters() if p.grad is not None])
+    assert lengths[0] == 48 > n_max  # training's padded batch really has padding rows
+    assert runs[0] == n_max < runs[2] == 48  # so has the bucketed one
     tol = 2e-2 if dtype == "bf16" else 1e-5
     for a, b in zip(runs[1], runs[3]):  # relative to each tensor's largest entry: bf16 has ~3 digits
         assert (a - b).abs().max() <= tol * b.abs().max()
@@ -392,21 +429,22 @@ def cached_logits(m, x, T0):
     return torch.stack(steps, 1), state
 
 
-def test_prefill_step_equal_full_forward_and_cache_holds_routed_tokens_only():
-    m = make(layers="TDDT").eval()
+@pytest.mark.parametrize("bias", [False, True])
+def test_prefill_step_equal_full_forward_and_cache_holds_routed_tokens_only(bias):
+    m = make(layers="TDDT", bias=bias).eval()
     B, T, T0 = 3, 48, 10
     x = torch.randint(0, 50, (B, T))
     full, _, _ = m(x)
     got, state = cached_logits(m, x, T0)
     assert torch.allclose(got, full[:, T0 - 1:], atol=1e-10, rtol=0)
     # a D layer holds exactly the routed tokens of each row, in order (K of the routed tokens); T layers all
-    caches, pos, _ = state
+    caches, pos = state
     h = m.embed(x)
     assert pos == T
     for blk, c in zip(m.blocks, caches):
         if isinstance(blk, dtrnet.DTRBlock):
             _, _, delta = blk.route(h)
-            K, V = c.heads()  # (B, nh, S, hs): preallocated to block_size, so a step's shapes never change
+            K, V = c.k, c.v  # (B, nh, S, hs): preallocated to block_size, so a step's shapes never change
             assert torch.equal(c.n, delta.sum(1)) and K.size(2) == m.cfg.block_size
             q, k, v = blk.attn.qkv(blk.ln_1(h))
             for b in range(B):
@@ -419,10 +457,10 @@ def test_prefill_step_equal_full_forward_and_cache_holds_routed_tokens_only():
     assert held < dense == 4 * 2 * B * 64 * 32 * 8
 
 
-@pytest.mark.parametrize("variant", ["dtrnet", "no_vo"])
-def test_batch_one_decode_equals_full_forward_on_both_paths(variant):
+@pytest.mark.parametrize("variant, bias", [("dtrnet", False), ("no_vo", False), ("dtrnet", True)])
+def test_batch_one_decode_equals_full_forward_on_both_paths(variant, bias):
     """At B=1 every step takes one branch: routed (attention) or the bypass alone (eq. 5)."""
-    m = make(layers="TDDT", variant=variant).eval()
+    m = make(layers="TDDT", variant=variant, bias=bias).eval()
     x = torch.randint(0, 50, (1, 40))
     full, _, stats = m(x)
     got, _ = cached_logits(m, x, 8)
@@ -445,7 +483,7 @@ def test_decode_bypassed_tokens_cache_nothing():
     for c, blk in zip(state[0], m.blocks):
         if isinstance(blk, dtrnet.DTRBlock):
             assert c.n.sum() == 0  # nothing cached
-            assert torch.equal(c.mask == 0, torch.arange(64)[None].expand(2, 64) == 0)  # only the scratch slot
+            assert torch.equal(c.visible(), torch.arange(64)[None].expand(2, 64) == 0)  # only the scratch slot
     held, dense = dtrnet.kv_cache_bytes(state)
     assert held == dense // 2
 
@@ -458,6 +496,32 @@ class HashRouter(nn.Module):
         u = torch.frac(x[..., :8].float().sum(-1).abs() * 9973.0)  # (B, T) ~ uniform in [0, 1)
         p = 0.3 + 0.4 * (u < 0.5).float()
         return torch.stack([p, 1 - p], -1)
+
+
+def test_eager_decode_skips_attention_of_bypassed_tokens(monkeypatch):
+    """The paper's inference rule in the eager step: at B = 1 a bypassed token runs no attention in a D layer
+    (the host decides); at B = 2 the attention runs when some row is routed, and each row takes its path."""
+    m = make(layers="TDDT").eval()
+    calls = []
+    for b in d_blocks(m):
+        attend = b.attn.attend
+        monkeypatch.setattr(b.attn, "attend", lambda *a, f=attend, **k: calls.append(1) or f(*a, **k))
+    table = torch.zeros(2, 64, dtype=torch.bool)
+    table[0, 6], table[1, 7] = True, True  # row 0 routes position 6, row 1 position 7
+    routers = fix_routers(m, table)
+    x = torch.randint(0, 50, (2, 9))
+    for rows, want in (([0], [0, 2, 0]), ([1], [0, 0, 2]), ([0, 1], [0, 2, 2])):
+        for r in routers:
+            r.offset, r.table = 0, table[rows]
+        _, state = m.prefill(x[rows, :5])
+        seen = []
+        for t in range(5, 8):
+            for r in routers:
+                r.offset = t
+            calls.clear()
+            m.step(x[rows, t:t + 1], state)
+            seen.append(len(calls))  # D-layer attention calls (the T layers' go through common.Block.step)
+        assert seen == want
 
 
 @pytest.mark.parametrize("B", [1, 2])
@@ -573,7 +637,7 @@ def test_dev_cached_decode_equals_full_forward(dev, variant):
             logits, state = m.step(x[:, t:t + 1], state)
             steps.append(logits)
     assert close(torch.stack(steps, 1), full[:, T0 - 1:], dev)
-    assert all((c.kv if isinstance(c, dtrnet.RoutedKVCache) else c.k).dtype == (torch.float32 if not dev.low
+    assert all(c.k.dtype == (torch.float32 if not dev.low
                else torch.bfloat16 if dev.dtype == "bf16" else torch.float16) for c in state[0])  # typed from K/V
 
 
@@ -593,52 +657,6 @@ def test_dev_training_step(dev):
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
     for b in d_blocks(m):
         assert b.router.w1.weight.grad.abs().sum() > 0 and b.router.w2.weight.grad.abs().sum() > 0
-
-
-# ---------------------------------------------------------------------------------------------------
-# ops dispatched per call (bench.count_ops): at this project's sizes a GPU is bound by them, not by FLOPs
-
-def half_routed(m, idx):
-    """Mixed routing in a fresh model: each router's W2 gets a bias that moves the median of its logit gap
-    z_attn − z_bypass on idx to 0, so about half of the tokens take each path in every D layer."""
-    x = m.embed(idx)
-    for blk in m.blocks:
-        if isinstance(blk, dtrnet.DTRBlock):
-            z = blk.router.w2(F.silu(blk.router.w1(x)))  # (B, T, 2)
-            gap = (z[..., 0] - z[..., 1]).median()
-            blk.router.w2.bias = nn.Parameter(torch.stack([-gap / 2, gap / 2]))
-            x = blk(x)[0]
-        else:
-            x = blk(x)
-    return m
-
-
-@torch.no_grad()
-def test_ops_per_call_within_the_bars():
-    """The bars of the GPU work (vs the dense GPT of the same size, bf16 autocast): sparse forward <= 2x its
-    forward, B=1 decode step <= 1.2x its step. Op counts do not depend on the width, so a narrow model gives the
-    6-layer counts (dense 79 forward / 95 step, DTRNet 131 / 113 today)."""
-    size = dict(vocab_size=50, block_size=64, n_layer=6, n_head=4, n_embd=32)
-    torch.manual_seed(0)
-    idx = torch.randint(0, 50, (4, 64))
-    m = half_routed(dtrnet.Model(dtrnet.Config(**size)).eval(), idx)
-    gpt = common.Model(common.Config(**size)).eval()
-    counts = {}
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        for name, model in (("gpt", gpt), ("dtrnet", m)):
-            model(idx)  # warm-up: autocast's weight casts are made once
-            counts[name, "fwd"] = bench.count_ops(model, idx, sparse=True)[0]
-            _, state = model.prefill(idx[:1, :32])
-            steps = []
-            for t in range(32, 36):
-                out = []
-                steps.append(bench.count_ops(lambda: out.append(model.step(idx[:1, t:t + 1], state)))[0])
-                state = out[0][1]
-            counts[name, "step"] = max(steps)
-        fracs = torch.stack([m(idx)[2][f"frac_l{i}"] for i in m.d_layers])
-    assert ((fracs > 0.3) & (fracs < 0.7)).all()  # mixed
-    assert counts["dtrnet", "fwd"] <= 2.0 * counts["gpt", "fwd"], counts
-    assert counts["dtrnet", "step"] <= 1.2 * counts["gpt", "step"], counts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -687,6 +705,52 @@ def test_flops_accounting():
     assert dtrnet.flops_ratio(big, 20000, 0.1, hidden=1.5 * 5632) == pytest.approx(0.778, abs=0.002)
 
 
+def test_flops_saved_at_known_shares_per_layer_and_batch():
+    """Two D layers routing different shares, rows routing different counts (B = 4): frac_l is the share of
+    the batch's B·T tokens in that layer, flops_saved_hard = 1 − flops_ratio at those shares, by hand."""
+    m = make(layers="TDDT").eval()
+    B, T = 4, 40
+    t1 = torch.zeros(B, 64, dtype=torch.bool)
+    t1[0, :T], t1[1, :10] = True, True  # layer 1: 40 + 10 of 160 tokens
+    t2 = torch.zeros(B, 64, dtype=torch.bool)
+    t2[:, ::4] = True                   # layer 2: 10 per row, 40 of 160
+    d_blocks(m)[0].router, d_blocks(m)[1].router = FixedRouter(t1), FixedRouter(t2)
+    x = torch.randint(0, 50, (B, T))
+    for sparse in (False, True):
+        st = m(x, sparse=sparse)[2]
+        assert st["frac_l1"].item() == 50 / 160 and st["frac_l2"].item() == 40 / 160
+        assert st["skip_l1"].item() == 110 / 160 and st["frac_attn"].item() == pytest.approx(45 / 160)
+        want = 1 - dtrnet.flops_ratio(m.cfg, T, [50 / 160, 40 / 160])
+        assert st["flops_saved_hard"].item() == pytest.approx(want, rel=1e-6)
+    d, r = 32, [50 / 160, 40 / 160]  # by hand: T layers dense; D layers pay router, V, W_O, MLP, and Q, K
+    dense = 2 * 4 * d * d + 4 * d * (T + 1) / 2 + 2 * 2 * d * 4 * d  # and the scores for the routed share
+    dlay = [2 * (d * d // 2 + d) + 2 * d * d * (1 + 2 * p) + 2 * d * d + 16 * d * d + p * 4 * d * p * (T + 1) / 2
+            for p in r]
+    assert want == pytest.approx(1 - (2 * dense + sum(dlay) + 2 * d * 50) / (4 * dense + 2 * d * 50))
+
+
+def test_kv_cache_bytes_at_known_routed_counts():
+    """B = 3 rows routing 0, all, and every third token: after prefill and steps, a D layer holds exactly
+    the routed tokens of each row, T layers block_size slots per row (float64: 8 bytes)."""
+    m = make(layers="TDDT").eval()
+    B, S, T0, T = 3, 64, 9, 21
+    table = torch.zeros(B, S, dtype=torch.bool)
+    table[1] = True
+    table[2, ::3] = True
+    routers = fix_routers(m, table)
+    x = torch.randint(0, 50, (B, T))
+    _, state = m.prefill(x[:, :T0])
+    for t in range(T0, T):
+        for r in routers:
+            r.offset = t
+        _, state = m.step(x[:, t:t + 1], state)
+    routed = int(table[:, :T].sum())  # 0 + 21 + 7
+    assert routed == 28 and [c.n.tolist() for c in state[0][1:3]] == [[0, 21, 7]] * 2
+    per_token = 2 * 32 * 8  # K and V: nh · hs = 32 values each
+    held, dense = dtrnet.kv_cache_bytes(state)
+    assert dense == 4 * B * S * per_token and held == (2 * B * S + 2 * routed) * per_token
+
+
 # ---------------------------------------------------------------------------------------------------
 # CLI
 
@@ -700,3 +764,21 @@ def test_cli_smoke(data_dir, tmp_path):
     assert {"val_frac_attn", "val_route_loss", "val_frac_l1", "val_flops_ratio", "val_skip_l1", "val_skipped",
             "val_soft_loss", "val_flops_saved_hard"} <= set(ev)
     assert os.path.exists(os.path.join(out, "ckpt.pt"))
+
+
+def test_module_cli_help_and_refusal(monkeypatch, capsys):
+    """`python dtrnet.py --help` says what the file offers; anything else is one error line and exit 2."""
+    import runpy
+    for args, rc in ((["--help"], 0), (["-h"], 0), (["foo"], 2), (["--help", "x"], 2), (["--compile"], 2)):
+        monkeypatch.setattr("sys.argv", ["dtrnet.py", *args])
+        try:
+            runpy.run_path(dtrnet.__file__, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        assert code == rc
+        if rc == 0:
+            assert "usage:" in out and "train.py --model dtrnet" in out and not err
+        else:
+            assert not out and err.startswith("error: ") and len(err.strip().splitlines()) == 1

@@ -227,7 +227,7 @@ def test_gdn_layer_matches_equations_float64(path):
         else:
             cache = {}
             out = [gdn(x[:, :1], cache)]
-            out += [gdn.step(F.linear(x[:, t:t + 1], cache["w"]), cache) for t in range(1, 19)]  # y = h Wᵀ
+            out += [gdn(x[:, t:t + 1], cache) for t in range(1, 19)]  # a cache with a state: a step
             out = torch.cat(out, 1)
     assert torch.allclose(out, ref, atol=1e-10, rtol=1e-8), (out - ref).abs().max()
 
@@ -241,7 +241,7 @@ def test_gdn_layer_decode_step_matches_forward():
     full = gdn(x)
     cache = {}
     out = [gdn(x[:, :2], cache)]  # prefill 2 tokens (fewer than the conv's 3-token tail), then step
-    out += [gdn.step(F.linear(x[:, t:t + 1], cache["w"]), cache) for t in range(2, 11)]
+    out += [gdn(x[:, t:t + 1], cache) for t in range(2, 11)]
     assert torch.allclose(torch.cat(out, 1), full, atol=1e-10)
 
 
@@ -417,13 +417,17 @@ def test_routing_map():
 # ---------------------------------------------------------------- the model contract on the device matrix
 
 def model_on(dev, seed=0, **kw):
-    """A tiny model on dev with O(1) logits (so dev.tol() is tight relative to them) and router margins."""
+    """A tiny model on dev with O(1) logits (so dev.tol() is tight relative to them), router margins and
+    (bias=True) nonzero biases."""
     torch.manual_seed(seed)
     m = H.Model(tiny(**kw)).to(dev.device)
     with torch.no_grad():
         m.wte.weight.mul_(25)
         if m.routed:
             m.router.weight.mul_(10)
+        for name, p in m.named_parameters():  # bias=True: biases away from their zero init
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     return m
 
 
@@ -432,8 +436,9 @@ def close(a, b, dev):
     return torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
 
 
-def test_sparse_equals_dense_hard(dev):
-    m = model_on(dev, seed=3).eval()
+@pytest.mark.parametrize("bias", [False, True])
+def test_sparse_equals_dense_hard(dev, bias):
+    m = model_on(dev, seed=3, bias=bias).eval()
     x = torch.randint(0, 40, (4, 32), device=dev.device)
     with torch.no_grad(), dev.autocast():
         dense, _, sd = m(x, x)
@@ -473,6 +478,54 @@ def test_sparse_really_skips_and_equals_dense_forced(monkeypatch):
         assert queries == [32] and torch.allclose(sparse, m(x)[0], atol=1e-10)
 
 
+@pytest.mark.parametrize("B", [1, 2])
+def test_a_tie_goes_to_gdn_in_every_path(monkeypatch, B):
+    """eval: y = onehot(argmax z), argmax's first index: at z_G = z_S exactly every token reads through GDN,
+    in the forward, the sparse forward, the decode step (B=1: one read chosen on the host; B=2: per row)
+    and the training forward (Gumbel noise 0)."""
+    from conftest import decoded_vs_full
+    torch.manual_seed(0)
+    m = H.Model(tiny(bias=True)).eval()
+    with torch.no_grad():
+        m.router.weight.zero_()  # z = (0, 0) for every token and routed layer: a tie
+        m.wte.weight.mul_(25)
+    x = torch.randint(0, 40, (B, 24))
+    with torch.no_grad():
+        dense, _, st = m(x, x)
+        assert all(st[f"gdn_frac_l{i}"] == 1 for i in m.routed)
+        assert torch.allclose(m(x, sparse=True)[0], dense, atol=1e-5)
+        steps, full = decoded_vs_full(m, x, 6)
+        assert torch.allclose(steps, full, atol=1e-4), (steps - full).abs().max()
+    monkeypatch.setattr(H, "gumbel_like", torch.zeros_like)
+    _, _, st = m.train()(x, x)
+    assert all(st[f"gdn_frac_l{i}"] == 1 for i in m.routed)
+
+
+def test_flops_saved_at_known_shares_and_B_gt_1():
+    """flops_saved_hard = 1 − FLOPs(sparse at the measured softmax shares) / dense GPT, where a share
+    counts every row of the batch: forced rows of 0, 8, 16, 24 softmax tokens in layer 1 (0.375), one
+    row of 32 in layer 2 (0.25)."""
+    torch.manual_seed(0)
+    m = H.Model(tiny()).eval()
+    forced = torch.zeros(4, 32, 2, dtype=torch.bool)
+    for b in range(4):
+        forced[b, :8 * b, 0] = True
+    forced[2, :, 1] = True
+    m.forced_route = forced
+    with torch.no_grad():
+        _, _, st = m(torch.randint(0, 40, (4, 32)))
+    assert st["gdn_frac_l1"] == 0.625 and st["gdn_frac_l2"] == 0.75 and st["skipped"] == 0.6875
+    cfg, d = m.cfg, m.cfg.n_embd
+    dense = common.dense_flops_per_token(cfg, 32)
+    want = 1 - H.flops_per_token(cfg, 32, [0.375, 0.25], sparse=True) / dense
+    assert st["flops_saved_hard"].item() == pytest.approx(want, abs=1e-6)
+    # the same from the parts: every softmax read instead of a GDN read adds Q, scores and W_o − W_g, W_o
+    _, read = H.flops_gdn(cfg)
+    query = 2 * d * d + common.flops_attn_scores(d, common.mean_context(32)) + 2 * d * d
+    all_gdn = H.flops_per_token(cfg, 32, 0.0, sparse=True)
+    assert want == pytest.approx(1 - (all_gdn + (0.375 + 0.25) * (query - read)) / dense, abs=1e-9)
+
+
 def test_sparse_in_train_mode_is_an_error():
     with pytest.raises(NanorouteError, match="eval"):
         H.Model(tiny())(torch.zeros(1, 4, dtype=torch.long), sparse=True)
@@ -494,11 +547,12 @@ def test_causality(dev, mode):
     assert not close(outs[0][:, 20:], outs[1][:, 20:], dev)  # the future does change the future
 
 
-@pytest.mark.parametrize("pattern", ["G R R S", "G G G S", "S S S S", "S R G R"])
-def test_cached_decoding_equals_full_forward(dev, pattern):
+@pytest.mark.parametrize("pattern,bias", [("G R R S", False), ("G G G S", False), ("S S S S", False),
+                                          ("S R G R", False), ("G R R S", True), ("S R G R", True)])
+def test_cached_decoding_equals_full_forward(dev, pattern, bias):
     """prefill + step == the full forward at every position. Low precision: decisions are forced (the same
     in both paths), because a router logit at the threshold may legitimately flip between bf16 paths."""
-    m = model_on(dev, pattern=pattern).eval()
+    m = model_on(dev, pattern=pattern, bias=bias).eval()
     x = torch.randint(0, 40, (3, 30), device=dev.device)
     if dev.low and m.routed:
         m.forced_route = torch.rand(3, 30, len(m.routed), generator=torch.Generator().manual_seed(1)).lt(0.4).to(dev.device)
@@ -630,3 +684,15 @@ def test_compiled_decode_step_has_fixed_shapes(B):
                 steps.append(logits)
             out.append(torch.stack(steps, 1))                                       # (B, 20, V)
     assert torch.allclose(out[0], out[1], atol=1e-5), (out[0] - out[1]).abs().max()
+
+
+@pytest.mark.parametrize("args,rc", [(["--help"], 0), (["--help", "--bogus=1"], 2)])
+def test_command_line(args, rc):
+    """--help says what the file takes (nothing); anything else is one error line, exit 2."""
+    r = subprocess.run([sys.executable, "hybrid_attn.py", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == rc, r.stderr
+    if rc == 0:
+        assert r.stdout.startswith("usage: python hybrid_attn.py") and not r.stderr
+    else:
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and not r.stdout
