@@ -167,7 +167,7 @@ class DTRBlock(common.Block):
         y = self.attn.c_proj(torch.where(delta[..., None], a, v))  # (B, T, C)
         if self.variant == "no_vo":  # A5: bypass without W_V W_O
             y = torch.where(delta[..., None], y, h)
-        return x + g[..., None] * common.dropout(y, self.attn.dropout, self.training)
+        return x + g[..., None] * F.dropout(y, self.attn.dropout, self.training)
 
     def attend_masked(self, h, v, delta):
         """The reference: attention of every token under eq. (6)'s boolean mask -> (B, T, C)."""

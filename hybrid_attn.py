@@ -249,7 +249,7 @@ class GatedDeltaNet(nn.Module):
         """o = Sᵀq (B, H, n, V) fp32, gate = W_g x (B, n, H·V) -> W_o(RMSNorm(o) ⊙ SiLU(gate))."""
         o = F.rms_norm(o, (self.V,), self.norm_weight.to(o.dtype), eps=1e-6).transpose(1, 2)
         o = o * F.silu(gate).unflatten(-1, (self.H, self.V))  # (B, n, H, V)
-        return common.dropout(self.c_proj(o.flatten(-2)), self.dropout, self.training)
+        return F.dropout(self.c_proj(o.flatten(-2)), self.dropout, self.training)
 
     def forward(self, h, cache=None):
         return self.read(self.write(h, cache), self.g_proj(h))
@@ -279,7 +279,7 @@ class Layer(nn.Module):
             if cache is not None:  # prefill
                 cache["kv"] = common.KVCache(x.size(0), cache["block_size"], k, v)
             mix = self.attn.c_proj(self.attn.attend(q, k, v))
-            mix = common.dropout(mix, self.attn.dropout, self.training)
+            mix = F.dropout(mix, self.attn.dropout, self.training)
         elif plan is None:  # y_G·GDN(x) + y_S·Attn(x)
             mix = y[..., :1] * self.gdn(h) + y[..., 1:] * self.attn(h)  # (B, T, C)
         else:
