@@ -6,7 +6,6 @@ and reported as a ratio; FLOPs-ideal speedups come from common.py's accounting.
   python bench.py tsa --json out/bench_tsa.json
   python bench.py all --quick              # every suite at small sizes (a smoke run)
   python bench.py all --device cuda --dtype bf16
-  python bench.py ops                      # only the ops dispatched per call, every path (device-independent)
 
 Sweeps over batch or length end with a `what=crossover` row: the smallest B·T from which on the sparse path
 beats dense at every measured size. Every suite ends with `what=decode` rows: cached generation at batch 1
@@ -25,7 +24,6 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 
@@ -124,137 +122,6 @@ def decode_rows(suite, model, device, args, extra=None, compiled=False):
                          "compiled_tokens_per_s": n_new / t["compiled"], "eager_tokens_per_s": n_new / t["eager"],
                          "dense_compiled_tokens_per_s": n_new / t.get("dense_compiled", t["compiled"]),
                          "speedup_compile": t["eager"] / t["compiled"]})
-    return rows
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops a call dispatches: at this project's sizes a GPU is bound by how many ops the host
-    launches (~30 µs each), not by FLOPs, and the count is the same on every device. Views and other
-    metadata-only ops launch no kernel and are not counted. syncs: the host reads that wait for the GPU (.item(),
-    nonzero's size, tolist, which dispatches nothing on the CPU and is counted around it): on the H200 ≈ 0.2 ms each
-    in a B=64 forward (the GPU's queue drains), little in a B=1 decode step (results/bench.md)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.syncs = {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func.is_view or func in METADATA_OPS):
-            name = func.overloadpacket.__name__
-            self.ops[name] = self.ops.get(name, 0) + 1
-            self.syncs += name in ("_local_scalar_dense", "nonzero")
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        tolist = self.tolist = torch.Tensor.tolist
-
-        def counted(t):
-            self.syncs += 1
-            return tolist(t)
-        torch.Tensor.tolist = counted
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self.tolist
-        return super().__exit__(*exc)
-
-    @property
-    def total(self):
-        return sum(self.ops.values())
-
-
-METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default,
-                torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
-                torch.ops.aten.dim.default, torch.ops.aten.is_contiguous.default}
-
-
-def count_ops(fn, *args, **kwargs):
-    """Ops dispatched by one call of fn(*args, **kwargs): (total, {op name: count})."""
-    with OpCounter() as c:
-        fn(*args, **kwargs)
-    return c.total, c.ops
-
-
-OPS_SIZE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=8, n_embd=256, dropout=0.0)  # the bars' size
-OPS_BARS = {"sparse": 2.0, "step": 1.2}  # vs the dense GPT's forward / decode step (the hybrid's forward: 3.0)
-
-
-@torch.no_grad()
-def count_paths(model, B=8, T=256):
-    """(ops, syncs) of OpCounter for model's forward at (B, T), its sparse forward when it has one, and its
-    B=1 decode step after a 100-token prefill (the most over 8 steps: a routed step's count depends on the path
-    the token takes). Counted on the CPU under bf16 autocast (what CUDA trains and infers in): the count of a
-    path does not depend on the device, and every machine gives the same rows."""
-    idx = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    out = {}
-
-    def count(fn, *args, **kwargs):  # -> ((ops, syncs), what fn returns)
-        with OpCounter() as c:
-            y = fn(*args, **kwargs)
-        return (c.total, c.syncs), y
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(idx)  # warm-ups: lazily built state (autocast's weight casts, a cached mask) is not counted
-        out["forward"] = count(model, idx)[0]
-        if model.__class__ is not common.Model:
-            model(idx, sparse=True)
-            out["sparse"] = count(model, idx, sparse=True)[0]
-        _, state = model.prefill(idx[:1, :100])
-        steps = []
-        for t in range(100, 108):
-            n, (_, state) = count(model.step, idx[:1, t:t + 1], state)
-            steps.append(n)
-        out["step"] = max(steps)
-    return out
-
-
-@torch.no_grad()
-def ops_model(suite):
-    """The suite's routed model at OPS_SIZE (the hybrid: 4 layers, G R R S) with mixed routing: about half the
-    tokens take each path in every routed layer, through the model's own routers."""
-    torch.manual_seed(0)
-    if suite == "tsa":
-        import tsa
-        m = tsa.Model(tsa.Config(**OPS_SIZE))
-        for r in m.routers:  # a wide logit around 0: p > 0.5 for about half the tokens
-            nn.init.normal_(r.fc2.weight, 0.0, 3.0)
-            nn.init.zeros_(r.fc2.bias)
-    elif suite == "dtrnet":
-        import dtrnet
-        m = dtrnet.Model(dtrnet.Config(**OPS_SIZE))
-        x = m.embed(torch.randint(0, 65, (4, 256), generator=torch.Generator().manual_seed(1)))
-        for blk in m.blocks:  # each router's W2 bias moves the median logit gap on x to 0
-            if isinstance(blk, dtrnet.DTRBlock):
-                z = blk.router.w2(F.silu(blk.router.w1(x)))  # (B, T, 2)
-                gap = (z[..., 0] - z[..., 1]).median()
-                blk.router.w2.bias = nn.Parameter(torch.stack([-gap / 2, gap / 2]))
-            x = blk(x)[0] if isinstance(blk, dtrnet.DTRBlock) else blk(x)
-    elif suite == "conddepth":
-        import conddepth
-        m = conddepth.Model(conddepth.Config(**OPS_SIZE))  # fan-in gate init: u spreads around its threshold
-    else:
-        import hybrid_attn as HA
-        m = HA.Model(HA.Config(**{**OPS_SIZE, "n_layer": 4}, pattern="G R R S"))  # random router: argmax mixed
-    return m.eval()
-
-
-def ops_rows(suite):
-    """`what=ops` rows: ops dispatched per call (OpCounter says why they matter), device-independent. gpt: the
-    dense GPT's own rows; a router: its dense-hard forward, sparse forward and decode step at OPS_SIZE with mixed
-    routing, each next to the dense GPT's count for the same call and the bar it must meet."""
-    torch.manual_seed(0)
-    gpt = count_paths(common.Model(common.Config(**OPS_SIZE)).eval())
-    if suite == "gpt":
-        return [{"suite": suite, "what": "ops", "path": f"gpt_{p}", "ops": n, "syncs": s, "dtype": "bf16"}
-                for p, (n, s) in gpt.items()]
-    rows = []
-    for path, (n, syncs) in count_paths(ops_model(suite)).items():
-        ref = gpt["step" if path == "step" else "forward"][0]
-        row = {"suite": suite, "what": "ops", "path": "dense_hard" if path == "forward" else path, "ops": n,
-               "syncs": syncs, "gpt_ops": ref, "ratio_vs_gpt": n / ref, "dtype": "bf16"}
-        if path in OPS_BARS:
-            row["bar"] = OPS_BARS[path] * (1.5 if suite == "hybrid" and path == "sparse" else 1.0)
-            row["meets_bar"] = n / ref <= row["bar"]
-        rows.append(row)
     return rows
 
 
@@ -657,7 +524,7 @@ class Rows(list):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=list(SUITES) + ["all", "ops"], help="ops: only the what=ops rows of every suite")
+    p.add_argument("suite", choices=list(SUITES) + ["all"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=list(common.DTYPES), default=None,
                    help="autocast dtype (default: what training uses on the device: bf16 on CUDA, fp32 elsewhere)")
@@ -680,10 +547,8 @@ def main(argv=None):
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         torch.manual_seed(0)
         rows = Rows(args, device)
-        for name in (SUITES if args.suite in ("all", "ops") else [args.suite]):
-            rows += ops_rows(name)  # first: no timing, and a run stopped in the suite keeps them
-            if args.suite != "ops":
-                SUITES[name](args, device, rows)
+        for name in (SUITES if args.suite == "all" else [args.suite]):
+            SUITES[name](args, device, rows)
     except common.NanorouteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
