@@ -1,50 +1,70 @@
-"""Markdown tables for results/bench.md from bench.py's --json files (one per suite or one for `all`).
+"""Markdown tables for results/bench.md from bench.py's --json files.
 
-  python experiments/bench_report.py out/bench/cpu_*.json
+  python experiments/bench_report.py results/gpu_bench.json out/bench/cpu_*.json
 
-Prints, per file set: the machine line, the sparse-vs-dense rows of every suite with the FLOPs-ideal
-speed-up and the share of its gain measured, the crossover rows, and the decode rows.
+Prints, per file: its command, torch, commit and device; a table of the timed rows (the routed model
+against the dense GPT of the same size: ms or tokens/s, speedup = dense / routed, FLOPs-ideal speedup);
+the graph counts per model and path; and the rows a run skipped or that failed, with why.
 """
+import argparse
 import json
-import os
 import sys
 
 from compare import md_table
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+def report(path):
+    try:
+        run = json.load(open(path))
+        rows = run["rows"]
+    except OSError as e:
+        raise SystemExit(f"error: {path}: {e.strerror}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: {path}: not a bench.py --json file ({type(e).__name__}: {e})")
+    if not rows:
+        return 0
+    print(f"{path}: `python {' '.join(run.get('argv', []))}`, torch {run.get('torch')}, commit "
+          f"{run.get('commit') or '?'}, {run.get('device_name', '?')}\n")
+    f = lambda v: f"{v:.3g}" if isinstance(v, float) else "–" if v is None else str(v)  # noqa: E731
+    timed = [r for r in rows if "speedup" in r or "speed_ratio_ours_vs_plain" in r]
+    print(md_table([[r["suite"], r["what"], "compiled" if r.get("compiled") else "eager", r.get("size"),
+                     f"{r['B']} × {r['T']}", f(r.get("share_set")),
+                     f(r.get("routed_ms", r.get("ours_ms", r.get("tokens_per_s")))),
+                     f(r.get("dense_ms", r.get("plain_ms", r.get("dense_tokens_per_s")))),
+                     f(r.get("speedup", r.get("speed_ratio_ours_vs_plain"))), f(r.get("flops_ideal")),
+                     r["device"], r["dtype"]] for r in timed],
+                   ["suite", "what", "mode", "size", "B × T", "share", "routed ms (decode: tok/s)",
+                    "dense", "speedup", "FLOPs-ideal", "device", "dtype"]))
+    graphs = [r for r in rows if r["what"] == "graphs"]
+    if graphs:
+        print(md_table([[r["suite"], r["path"], r["n_layer"], f"{r.get('graphs')} / {r.get('breaks')}",
+                         r.get("break_sites") or r.get("error", "")] for r in graphs],
+                       ["suite", "path", "layers", "graphs / breaks", "where it breaks"]))
+    other = [r for r in rows if r["what"] in ("skipped", "failed")]
+    if other:
+        print(md_table([[r["what"], r["group"], r.get("why", r.get("error"))] for r in other],
+                       ["row", "measurement", "why"]))
+    return len(timed) + len(graphs) + len(other)
 
 
-def main(paths):
-    runs = [json.load(open(p)) for p in paths]
-    rows = [r for run in runs for r in run["rows"]]
-    devs = sorted({f"{r['device']} {r['dtype']}" for r in rows})
-    print(f"torch {runs[0]['torch']}, {runs[0]['threads']} thread(s), {', '.join(devs)}; commands: "
-          + "; ".join(" ".join(["python", *run["argv"]]) for run in runs) + "\n")
-    speed = []
-    for r in rows:
-        if r["what"] in ("infer_batch_scaling", "infer_alpha_sweep") and r["mode"].startswith("sparse"):
-            s, i, setting = r["speedup_vs_dense"], r["ideal_speedup"], f"{r['mode']}, α={r['alpha']:.2f}"
-        elif r["what"] == "forward_forced":
-            s, i, setting = r["speedup_measured"], r["speedup_flops_ideal"], f"ρ={r['rho']:.2f}"
-        elif r["what"] == "model_forward":
-            s, i, setting = r["speedup"], r["ideal_speedup"], f"ρ={r['rho']} (vs dense-hard)"
-        elif r["what"] == "sparse_vs_dense_hard":
-            s, i, setting = r["speedup"], r["flops_ideal"], f"softmax {r['softmax_frac']} (vs dense-hard)"
-        else:
-            continue
-        speed.append([r["suite"], r["what"], f"{r['B']} × {r['T']}", setting, f"{s:.3f}", f"{i:.3f}",
-                      f"{(s - 1) / (i - 1):.2f}" if i > 1.001 else "–"])
-    print(md_table(speed, ["suite", "what", "B × T", "setting", "sparse vs dense", "FLOPs-ideal",
-                           "share of the ideal gain"]))
-    print(md_table([[r["suite"], ", ".join(f"{k}={r[k]}" for k in ("mode", "rho", "rho_set", "softmax_frac") if k in r),
-                     r["B_T"], r["speedups"], r["sparse_faster_from_BT"]] for r in rows if r["what"] == "crossover"],
-                   ["suite", "sweep", "B×T measured", "speed-ups", "sparse faster from B·T"]))
-    setting = lambda r: ", ".join(f"{k}={r[k]:.2f}" if isinstance(r[k], float) else f"{k}={r[k]}"  # noqa: E731
-                                  for k in ("alpha", "rho", "rho_set", "pattern") if k in r) or "–"
-    print(md_table([[r["suite"], r["B"], setting(r), f"{r['tokens_per_s']:.1f}", f"{r['dense_tokens_per_s']:.1f}",
-                     f"{r['speed_ratio']:.3f}", f"{r['flops_ideal']:.3f}"] for r in rows if r["what"] == "decode"],
-                   ["suite", "B", "setting", "routed tok/s", "dense GPT tok/s", "ratio", "FLOPs-ideal"]))
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise SystemExit(f"error: {message} (see --help)")
+
+
+def main(argv=None):
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", nargs="+", help="bench.py --json files")
+    args = p.parse_args(argv)
+    if not sum(report(path) for path in args.json):
+        raise SystemExit("error: no rows to tabulate in " + ", ".join(args.json))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main()
+    except SystemExit as e:  # one line and exit 2 for what a user gave wrong
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            sys.exit(2)
+        raise

@@ -1,5 +1,6 @@
 """What the GPU paths promise, checked on CPU: bench.py keeps every row it measured, the decode step compiles
 to one graph that decodes like eager, and the CLI's edge cases are one-line errors."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,11 +33,11 @@ def test_bench_bad_repeats_is_a_one_line_error():
 def test_bench_json_keeps_the_rows_of_a_run_stopped_half_way(tmp_path, monkeypatch):
     """Every row is written as it is measured: a run killed in its second suite leaves the first suite's rows
     and the second's finished ones in --json."""
-    def first(args, device, rows):
+    def first(args, device, rows, *_):
         rows.append({"suite": "first", "what": "a", "ms": 1.0})
         rows += [{"suite": "first", "what": "b", "ms": 2.0}]
 
-    def second(args, device, rows):
+    def second(args, device, rows, *_):
         rows.append({"suite": "second", "what": "c", "ms": 3.0})
         raise KeyboardInterrupt  # what a kill -INT or a time limit does half-way through a suite
     monkeypatch.setattr(bench, "SUITES", {"first": first, "second": second})
@@ -66,6 +67,152 @@ def test_timeit_rounds_fast_calls_up_and_does_not_repeat_a_slow_one_for_a_fast_n
     calls.clear()
     t = bench.timeit({"fast": call("fast", 1e-3), "slow": call("slow", 1.0)}, torch.device("cpu"), repeats=3, warmup=1)
     assert calls == {"fast": 4, "slow": 4} and t == pytest.approx({"fast": 1e-3, "slow": 1.0})
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    """torch.compile with dynamo's eager backend: the compiled rows' paths in seconds (inductor on the CPU takes
+    minutes); every torch.compile bench.py and LM.generate make goes through it."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: compile_(*a, **{**k, "backend": "eager"}))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_graph_rows_count_the_graphs_and_name_a_planted_break(monkeypatch):
+    """The dense GPT's paths are one graph each; an .item() planted in its block's forward breaks the eval
+    forward's graph in every layer, named by file and line."""
+    size = bench.QUICK_GRAPH_SIZE
+    rows = {r["path"]: r for r in bench.graph_rows("gpt", size)}
+    assert set(rows) == {"train_forward", "eval_forward", "decode_step_B1", "decode_step_B4"}
+    assert all((r["graphs"], r["breaks"], r["break_sites"]) == (1, 0, "") for r in rows.values()), rows
+    forward = common.Block.forward
+
+    def planted(self, x):
+        if x.sum().item() > 1e30:  # never true: only the host read matters
+            x = x + 1
+        return forward(self, x)
+    monkeypatch.setattr(common.Block, "forward", planted)
+    m = tiny_gpt(n_layer=size["n_layer"])
+    graphs, breaks, sites = bench.explain(m, torch.randint(0, 65, (2, 8)))
+    assert breaks >= size["n_layer"] and graphs > size["n_layer"], (graphs, breaks)
+    assert sites.startswith("test_bench.py:") and "item()" in sites, sites
+
+
+@pytest.mark.parametrize("suite,stat", [("tsa", "alpha_hard"), ("dtrnet", "frac_attn"),
+                                        ("conddepth", "full_ratio"), ("hybrid", "skipped")])
+@pytest.mark.parametrize("share", [0.1, 0.7])
+def test_set_share_routes_that_share_of_the_tokens_the_costly_way(suite, stat, share):
+    """bench's routers are set so that `share` of the calibration tokens takes the costly path, which the model's
+    own eval stats confirm (on the batch it was set on; the hybrid reports the share that skipped softmax)."""
+    size = bench.SIZES["quick"]
+    model, dense, got = bench.models(suite, size, torch.device("cpu"), share=share)
+    assert got == share and type(dense) is common.Model and dense.cfg.n_layer == model.cfg.n_layer
+    x = bench.batch(model.cfg, min(size["B"], 4), size["T"], torch.device("cpu"), seed=1)[0]
+    with torch.no_grad():
+        measured = float(model.eval()(x, x)[2][stat])
+    measured = 1 - measured if suite == "hybrid" else measured
+    assert measured == pytest.approx(share, abs=0.1), (suite, measured)
+
+
+def test_a_suite_times_eager_and_compiled_rows(eager_compile):
+    """`bench.py dtrnet --quick --compile`: forward, sparse forward (with its sweep and crossover), training step
+    and decoding, each eager and compiled, routed against the dense GPT; graph rows first."""
+    rows = bench.main(["dtrnet", "--quick", "--compile", "--repeats=1", "--device=cpu"])
+    assert [r["what"] for r in rows[:5]] == ["graphs"] * 5
+    timed = [r for r in rows if r["what"] in ("forward", "sparse_forward", "train_step", "decode")]
+    for comp in (False, True):
+        got = [(r["what"], r["B"]) for r in timed if r["compiled"] is comp]
+        want = [("forward", 2), ("sparse_forward", 2), ("train_step", 2), ("decode", 1), ("decode", 8)]
+        assert [w for w in got if w[0] != "sparse_forward" or w[1] == 2] == want, got
+    assert all(r["routed_ms"] > 0 and r["dense_ms"] > 0 for r in timed if "dense_ms" in r)
+    assert all(r["tokens_per_s"] > 0 and r["flops_ideal"] > 1 for r in timed if r["what"] == "decode")
+    assert [r["what"] for r in rows].count("crossover") == 1  # the eager sweep only
+    assert all(r["share_set"] == 0.1 for r in timed)
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """torch.compile as the identity: the GPU script's plan, rows and JSON in seconds. What compiling each path
+    does is held elsewhere: the compiled rows of a suite here, the compiled training and decoding tests of
+    every model in its own test file."""
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+
+
+def test_gpu_script_runs_end_to_end_at_the_quick_size(no_compile, tmp_path):
+    """`bench.py gpu --quick` on the CPU: every group runs, none fails, and the JSON holds every row."""
+    path = str(tmp_path / "gpu.json")
+    rows = bench.main(["gpu", "--quick", "--repeats=1", "--device=cpu", "--json", path])
+    assert not [r for r in rows if r["what"] in ("failed", "skipped")], rows
+    assert all(r["compiled"] is True for r in rows)
+    got = {(r["what"], r["suite"]) for r in rows}
+    for s in bench.ROUTERS:
+        assert {("decode", s), ("train_step", s), ("sparse_forward", s)} <= got
+    assert [r["B"] for r in rows if r["what"] == "decode"] == [1] * 4
+    assert sum(r["what"] == "train_step" for r in rows) == 8  # two sizes (both quick here)
+    assert [r["T"] for r in rows if r["size"] == "quick_T64"] == [64]  # DTRNet's long row
+    saved = json.load(open(path))
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["torch"] == torch.__version__
+
+
+def test_gpu_script_skips_what_its_budget_leaves_no_time_for(no_compile):
+    """With a budget the first group overruns, every later group is a what=skipped row saying why."""
+    rows = bench.main(["gpu", "--quick", "--repeats=1", "--device=cpu", "--budget=0.001"])
+    assert [r["what"] for r in rows] == ["decode"] + ["skipped"] * 16
+    assert rows[1]["group"] == "decode B=1 quick dtrnet" and "time budget" in rows[1]["why"]
+
+
+def save_run(path, module, **kw):
+    """A checkpoint as train.py writes one (weights and config), without training."""
+    cfg = module.Config(**{**dict(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=16), **kw})
+    torch.manual_seed(0)
+    common.save_checkpoint(str(path), model=train.build(module, cfg).state_dict(),
+                           config=dataclasses.asdict(cfg), iter=0)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    import tsa
+    d = tmp_path_factory.mktemp("ckpts")
+    bad = save_run(d / "bad.pt", tsa)
+    ck = common.load_checkpoint(bad)
+    ck["config"]["n_layer"] = 3  # weights of 2 layers under a 3-layer config
+    common.save_checkpoint(bad, **ck)
+    (d / "corrupt.pt").write_bytes(b"not a checkpoint")
+    (d / "file").write_text("")
+    return {"gpt": save_run(d / "gpt.pt", common, n_layer=1), "gpt4": save_run(d / "gpt4.pt", common, n_layer=4),
+            "tsa": save_run(d / "tsa.pt", tsa), "exit": save_run(d / "exit.pt", tsa, variant="early_exit"),
+            "bad": bad, "corrupt": str(d / "corrupt.pt"), "file": str(d / "file"), "dir": str(d)}
+
+
+CARELESS = {  # argv ({name} -> a path of ckpts) -> what the one error line says
+    "json_under_a_file": (["tsa", "--json", "{file}/rows.json"], "cannot write there"),
+    "json_a_directory": (["tsa", "--json", "{dir}"], "is a directory"),
+    "hybrid_ckpt_a_gpt_run": (["hybrid", "--ckpt", "{gpt}"], "is a 'gpt' run; bench.py hybrid needs"),
+    "hybrid_ckpt_a_4_layer_gpt_run": (["hybrid", "--ckpt", "{gpt4}"], "is a 'gpt' run"),
+    "ckpt_missing": (["tsa", "--ckpt", "{dir}/none.pt"], "not found"),
+    "ckpt_corrupt": (["tsa", "--ckpt", "{corrupt}"], "corrupt"),
+    "ckpt_weights_do_not_fit": (["tsa", "--ckpt", "{bad}"], "do not fit its config"),
+    "ckpt_of_a_variant": (["tsa", "--ckpt", "{exit}"], "EarlyExit"),
+    "ckpt_with_all": (["all", "--ckpt", "{tsa}"], "needs one suite"),
+    "budget_zero": (["gpu", "--budget", "0"], "--budget must be > 0"),
+    "unknown_size": (["tsa", "--size", "huge"], "invalid choice"),
+    "unknown_suite": (["ops"], "invalid choice"),
+    "unknown_device": (["tsa", "--device", "tpu"], "not available"),
+}
+
+
+@pytest.mark.parametrize("case", list(CARELESS))
+def test_bench_refuses_a_careless_command_before_any_work(case, ckpts, capsys):
+    """Each is one `error:` line on stderr and exit 2, before any row is measured (nothing on stdout)."""
+    argv, says = CARELESS[case]
+    with pytest.raises(SystemExit) as e:
+        bench.main([a.format(**ckpts) for a in argv])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and says in err, err
 
 
 # ---------------------------------------------------------------------------------------------------
