@@ -2,9 +2,9 @@
 
   python experiments/bench_report.py results/gpu_bench.json out/bench/cpu_*.json
 
-Prints, per file: its command, torch, commit and device; a table of the timed rows (the routed model
-against the dense GPT of the same size: ms or tokens/s, speedup = dense / routed, FLOPs-ideal speedup);
-the graph counts per model and path; and the rows a run skipped or that failed, with why.
+Prints, per file: its command, torch, commit and device; a table of the timed rows (the routed
+model against the dense GPT of the same size: ms or tokens/s, speedup = dense / routed, and the
+FLOPs-ideal speedup); the graph counts per model and path; the rows skipped or failed, and why.
 """
 import argparse
 import json
@@ -27,17 +27,20 @@ def report(path):
           f"{run.get('commit') or '?'}, {run.get('device_name', '?')}\n")
     f = lambda v: f"{v:.3g}" if isinstance(v, float) else "–" if v is None else str(v)  # noqa: E731
     timed = [r for r in rows if "speedup" in r or "speed_ratio_ours_vs_plain" in r]
-    print(md_table([[r["suite"], r["what"], "compiled" if r.get("compiled") else "eager", r.get("size"),
+    mode = lambda r: "compiled" if r.get("compiled") else "eager"  # noqa: E731
+    print(md_table([[r["suite"], r["what"], mode(r), r.get("size"),
                      f"{r['B']} × {r['T']}", f(r.get("share_set")),
                      f(r.get("routed_ms", r.get("ours_ms", r.get("tokens_per_s")))),
                      f(r.get("dense_ms", r.get("plain_ms", r.get("dense_tokens_per_s")))),
-                     f(r.get("speedup", r.get("speed_ratio_ours_vs_plain"))), f(r.get("flops_ideal")),
+                     f(r.get("speedup", r.get("speed_ratio_ours_vs_plain"))),
+                     f(r.get("flops_ideal")),
                      r["device"], r["dtype"]] for r in timed],
                    ["suite", "what", "mode", "size", "B × T", "share", "routed ms (decode: tok/s)",
                     "dense", "speedup", "FLOPs-ideal", "device", "dtype"]))
     graphs = [r for r in rows if r["what"] == "graphs"]
     if graphs:
-        print(md_table([[r["suite"], r["path"], r["n_layer"], f"{r.get('graphs')} / {r.get('breaks')}",
+        print(md_table([[r["suite"], r["path"], r["n_layer"],
+                         f"{r.get('graphs')} / {r.get('breaks')}",
                          r.get("break_sites") or r.get("error", "")] for r in graphs],
                        ["suite", "path", "layers", "graphs / breaks", "where it breaks"]))
     other = [r for r in rows if r["what"] in ("skipped", "failed")]

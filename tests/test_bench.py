@@ -116,11 +116,13 @@ def test_set_share_routes_that_share_of_the_tokens_the_costly_way(suite, stat, s
     assert measured == pytest.approx(share, abs=0.1), (suite, measured)
 
 
-def test_a_suite_times_eager_and_compiled_rows(eager_compile):
-    """`bench.py dtrnet --quick --compile`: forward, sparse forward (with its sweep and crossover), training step
-    and decoding, each eager and compiled, routed against the dense GPT; graph rows first."""
+def test_a_suite_times_eager_and_compiled_rows(eager_compile, monkeypatch):
+    """`bench.py dtrnet --quick --compile`: forward, sparse forward (with its sweep and crossover), training
+    step and decoding, each eager and compiled, routed against the dense GPT; graph rows first (stubbed here:
+    the graph test holds them)."""
+    monkeypatch.setattr(bench, "graph_rows", lambda suite, size: [{"suite": suite, "what": "graphs"}])
     rows = bench.main(["dtrnet", "--quick", "--compile", "--repeats=1", "--device=cpu"])
-    assert [r["what"] for r in rows[:5]] == ["graphs"] * 5
+    assert rows[0]["what"] == "graphs"
     timed = [r for r in rows if r["what"] in ("forward", "sparse_forward", "train_step", "decode")]
     for comp in (False, True):
         got = [(r["what"], r["B"]) for r in timed if r["compiled"] is comp]
@@ -160,7 +162,7 @@ def test_gpu_script_skips_what_its_budget_leaves_no_time_for(no_compile):
     """With a budget the first group overruns, every later group is a what=skipped row saying why."""
     rows = bench.main(["gpu", "--quick", "--repeats=1", "--device=cpu", "--budget=0.001"])
     assert [r["what"] for r in rows] == ["decode"] + ["skipped"] * 16
-    assert rows[1]["group"] == "decode B=1 quick dtrnet" and "time budget" in rows[1]["why"]
+    assert rows[1]["group"] == "decode quick dtrnet" and "time budget" in rows[1]["why"]
 
 
 def save_run(path, module, **kw):
