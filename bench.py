@@ -160,7 +160,8 @@ def set_share(suite, model, x, share):
     model.eval()
     try:
         if suite == "conddepth":
-            model.calibrate_thresholds([x])  # θ at the budget cfg.rho, as training sets it
+            model.cfg.rho = share
+            model.calibrate_thresholds([x])  # θ at the budget ρ, as training sets it
             return share
         if suite == "tsa":  # p = σ(z) > 0.5 halts: the costly path is z <= 0
             routers = [(r, lambda p: -torch.logit(p, 1e-6).flatten()[None], r.fc2)
