@@ -56,7 +56,7 @@ import train
 
 DTYPE = None  # the autocast dtype of this run (--dtype; None: what training uses on the device)
 MIN_SECONDS = 0.25  # timeit's time per callable at least (0 with --quick: a smoke run)
-SIZES = {"quick": dict(n_layer=3, n_head=2, n_embd=32, T=32, B=2),
+SIZES = {"quick": dict(n_layer=3, n_head=2, n_embd=64, T=32, B=2),
          "small": dict(n_layer=6, n_head=8, n_embd=256, T=256, B=16),    # TSA's paper size
          "busy": dict(n_layer=12, n_head=12, n_embd=768, T=1024, B=16)}  # GPT-2 small's trunk
 GRAPH_SIZE = dict(n_layer=4, n_head=2, n_embd=64, T=64, B=2)  # --quick: QUICK_GRAPH_SIZE
@@ -573,7 +573,7 @@ def main(argv=None):
                    help="autocast dtype (default: training's: bf16 on CUDA, fp32 elsewhere)")
     p.add_argument("--size", choices=["small", "busy"], default="small",
                    help="small: 6 layers x 256, T = 256, B = 16; busy: 12 x 768, T = 1,024, B = 16")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (3 x 32, T = 32): a smoke run")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (3 x 64, T = 32): a smoke run")
     p.add_argument("--compile", action="store_true", help="also time each row compiled")
     p.add_argument("--repeats", type=int, default=10, help="timed calls at least (default 10)")
     p.add_argument("--budget", type=float, default=450.0, help="gpu: seconds to end within (450)")
