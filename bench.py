@@ -31,13 +31,15 @@ order: B = 1 decoding of each router vs the dense GPT (small size); the training
 router vs the dense GPT's (small size); at the busy size each router's sparse forward vs its
 dense-hard forward and the dense GPT's; DTRNet's sparse forward at T = 4,096, ρ = 0.1; the training
 steps at the busy size. A measurement that would not end within --budget seconds is written as
-what=skipped, one that raises (a compiler error) as what=failed with its error, and the run goes on.
+what=skipped, one that raises (a compiler error) as what=failed with its error, and the run goes on;
+--only keeps the measurements whose name ("decode small tsa", "train_step busy hybrid") contains it.
 
 Timing: warm-up calls (compiles included), then the median of --repeats calls or more, each
 bracketed by common.sync(device). With --json the file is rewritten after every row.
 """
 import argparse
 import copy
+import importlib
 import json
 import logging
 import os
@@ -144,7 +146,7 @@ def configs(suite, size, share):
                 n_embd=size["n_embd"])
     extra = {"hybrid": dict(pattern=" ".join(("G" + "RRS" * L)[:L - 1] + "S")),
              "conddepth": dict(n_controlled=max(1, L // 3), rho=share, controller_only=False)}
-    module = train.importlib.import_module(train.MODELS[suite])
+    module = importlib.import_module(train.MODELS[suite])
     return module.Config(**arch, **extra.get(suite, {})), common.Config(**arch)
 
 
@@ -213,7 +215,7 @@ def check_ckpt(suite, path):
     if saved.get("model") != suite:
         raise common.NanorouteError(f"--ckpt {path} is a {saved.get('model')!r} run; "
                                     f"bench.py {suite} needs a {suite} checkpoint")
-    module = train.importlib.import_module(train.MODELS[suite])
+    module = importlib.import_module(train.MODELS[suite])
     try:
         model = train.build(module, module.Config(**saved))
     except TypeError as e:

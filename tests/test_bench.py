@@ -197,6 +197,19 @@ def test_gpu_script_skips_what_its_budget_leaves_no_time_for(monkeypatch):
     assert rows[2]["why"].startswith("time budget: 20 s")
 
 
+def test_gpu_script_only_runs_the_measurements_named(monkeypatch):
+    """--only keeps the measurements whose name contains its text, in the script's order."""
+    done = []
+    monkeypatch.setattr(bench, "models", lambda *a, **k: (argparse.Namespace(cfg=None), None, 0.5))
+    monkeypatch.setattr(bench, "batch", lambda *a, **k: (3, 4))
+    for name in ("decode_rows", "train_rows", "forward_rows", "long_rows"):
+        monkeypatch.setattr(bench, name, lambda *a, name=name, **k: done.append((name, a[0])) or [])
+    args = argparse.Namespace(size_name="small", quick=False, repeats=1, budget=25.0, only="hybrid")
+    bench.bench_gpu(args, torch.device("cpu"), [])
+    assert done == [("decode_rows", "hybrid"), ("train_rows", "hybrid"), ("forward_rows", "hybrid"),
+                    ("train_rows", "hybrid")]
+
+
 def save_run(path, module, **kw):
     """A checkpoint as train.py writes one (weights and config), without training."""
     size = dict(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=16)
