@@ -189,8 +189,9 @@ def set_share(suite, model, x, share):
             else:
                 linear.bias[1::2] -= q
         return share
-    except AttributeError as e:
-        print(f"bench: {suite}'s routers not found ({e}); its own routing is timed", flush=True)
+    except (AttributeError, IndexError, TypeError, RuntimeError) as e:
+        print(f"bench: {suite}'s routers not found ({type(e).__name__}: {e}); its own routing "
+              "is timed", flush=True)
         return "own"
 
 
