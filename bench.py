@@ -553,6 +553,11 @@ def check_json(path):
     """--json names a file that can be written (its folder is made if missing)."""
     if os.path.isdir(path):
         raise common.NanorouteError(f"--json {path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise common.NanorouteError(f"--json {path}: {parent} is a file, not a folder")
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path + ".tmp", "w"):

@@ -250,7 +250,8 @@ def test_bench_times_a_checkpoint_with_its_own_routing(ckpts, monkeypatch):
 
 
 CARELESS = {  # argv ({name} -> a path of ckpts) -> what the one error line says
-    "json_under_a_file": (["tsa", "--json", "{file}/rows.json"], "cannot write there"),
+    "json_under_a_file": (["tsa", "--json", "{file}/rows.json"], "is a file, not a folder"),
+    "json_two_under_a_file": (["tsa", "--json", "{file}/a/rows.json"], "is a file, not a folder"),
     "json_a_directory": (["tsa", "--json", "{dir}"], "is a directory"),
     "hybrid_ckpt_a_gpt_run": (["hybrid", "--ckpt", "{gpt}"], "a 'gpt' run; bench.py hybrid needs"),
     "hybrid_ckpt_a_4_layer_gpt_run": (["hybrid", "--ckpt", "{gpt4}"], "is a 'gpt' run"),
