@@ -1,40 +1,80 @@
 """
-Wall-clock benchmarks on cuda, mps or cpu. Every comparison (A vs B) is timed in the same run, interleaved,
-and reported as a ratio; FLOPs-ideal speedups come from common.py's accounting.
+Wall-clock benchmarks on cuda, mps or cpu: each routed model against a dense GPT of the same size,
+eager and compiled (torch.compile), every pair timed in the same run, interleaved, as a ratio.
 
-  python bench.py gpt                      # our dense GPT vs a plain nanoGPT-style model
-  python bench.py tsa --json out/bench_tsa.json
-  python bench.py all --quick              # every suite at small sizes (a smoke run)
-  python bench.py all --device cuda --dtype bf16
-  python bench.py ops                      # only the ops dispatched per call, every path (device-independent)
+  python bench.py tsa                           # TSA vs the dense GPT, eager, small size
+  python bench.py all --compile --json F        # every suite, eager and compiled
+  python bench.py dtrnet --size busy --compile  # 12 layers x 768, T = 1,024, B = 16 (+ T = 4,096)
+  python bench.py hybrid --ckpt out/hybrid-shakespeare/ckpt.pt   # a trained model, its own routing
+  python bench.py gpu --json results/gpu_bench.json              # the GPU script (< 8 minutes)
+  python bench.py all --quick                   # tiny sizes: a smoke run
 
-Sweeps over batch or length end with a `what=crossover` row: the smallest B·T from which on the sparse path
-beats dense at every measured size. Every suite ends with `what=decode` rows: cached generation at batch 1
-and 8, `tokens_per_s` of the routed model next to `dense_tokens_per_s` of the dense GPT of the same size
-(also cached), timed interleaved, and `flops_ideal`, the ratio time would show if it followed FLOPs.
+A suite (tsa, dtrnet, conddepth, hybrid) builds its model at --size, its routers set so that a share
+of the tokens (SHARES) takes the costly path, and a dense GPT of the same size. Rows (`what`):
+  graphs          graphs / graph breaks torch._dynamo.explain finds on each path (train_forward,
+                  eval_forward, sparse_forward, decode_step_B1, decode_step_B4) and where it breaks;
+                  on the CPU at GRAPH_SIZE: the counts do not depend on the device
+  forward         the eval forward (dense-hard: every path computed, then selected) vs the dense GPT
+  sparse_forward  the sparse forward (only the routed work) vs the dense GPT and the dense-hard
+                  forward; eager also at B = 1 and 4
+  crossover       the smallest B·T from which the sparse forward beats dense-hard at every B
+  train_step      forward, backward and an AdamW step vs the dense GPT's
+  decode          greedy cached decoding at B = 1 and 8, tokens/s, vs the dense GPT's
+Timed rows carry compiled (with --compile every timing is repeated compiled; decoding compiled as
+LM.generate(compile=True) runs it, on CUDA as CUDA graphs), routed_ms, dense_ms, speedup = dense /
+routed (> 1: the routed model is faster) and, where routing skips work, flops_ideal: the speedup
+if time followed the FLOPs saved. The gpt suite times our dense GPT against a plain nanoGPT-style
+model.
 
-Timing: warm-up calls, then the median of --repeats calls, each bracketed by common.sync(device).
+gpu: every row compiled, in training's dtype (bf16 on CUDA), one measurement at a time, in this
+order: B = 1 decoding of each router vs the dense GPT (small size); the training step of each
+router vs the dense GPT's (small size); at the busy size each router's sparse forward vs its
+dense-hard forward and the dense GPT's; DTRNet's sparse forward at T = 4,096, ρ = 0.1; the training
+steps at the busy size. A measurement that would not end within --budget seconds is written as
+what=skipped, one that raises (a compiler error) as what=failed with its error, and the run goes on;
+--only keeps the measurements whose name ("decode small tsa", "train_step busy hybrid") contains it.
+
+Timing: warm-up calls (compiles included), then the median of --repeats calls or more, each
+bracketed by common.sync(device). With --json the file is rewritten after every row.
 """
 import argparse
+import copy
+import importlib
 import json
+import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
+import train
+
+DTYPE = None  # the autocast dtype of this run (--dtype; None: what training uses on the device)
+MIN_SECONDS = 0.25  # timeit's time per callable at least (0 with --quick: a smoke run)
+SIZES = {"quick": dict(n_layer=3, n_head=2, n_embd=64, T=32, B=2),
+         "small": dict(n_layer=6, n_head=8, n_embd=256, T=256, B=16),    # TSA's paper size
+         "busy": dict(n_layer=12, n_head=12, n_embd=768, T=1024, B=16)}  # GPT-2 small's trunk
+GRAPH_SIZE = dict(n_layer=4, n_head=2, n_embd=64, T=64, B=2)  # --quick: QUICK_GRAPH_SIZE
+QUICK_GRAPH_SIZE = dict(n_layer=3, n_head=2, n_embd=16, T=16, B=2)
+# The share of tokens on the costly path: TSA's α ≈ 0.73 on Shakespeare; DTRNet routes ~10% of the
+# tokens to attention (its paper); conddepth's budget ρ; the hybrid's softmax layers in half.
+SHARES = {"tsa": 0.7, "dtrnet": 0.1, "conddepth": 0.5, "hybrid": 0.5}
+LONG_T = 4096  # DTRNet's long context (at the busy size; twice the size's T otherwise)
+ROUTERS = ("tsa", "dtrnet", "conddepth", "hybrid")
 
 
 def timeit(fns, device, repeats=10, warmup=3):
-    """Median seconds of each callable in fns (a dict), interleaved so drift hits all of them alike, the order
-    rotating every round so that none always runs first (after another's cache traffic, or not). Fast calls
-    get more rounds than `repeats` (a 15 ms call's median of 5 is noise): ~MIN_SECONDS per callable on average,
-    so a slow callable timed beside a fast one is not run hundreds of times."""
+    """Median seconds of each callable in fns (a dict), interleaved so drift hits all of them alike,
+    the order rotating every round so that none always runs first. Fast calls get more rounds than
+    `repeats`: ~MIN_SECONDS per callable on average (at most 200), so a slow callable timed beside a
+    fast one is not run hundreds of times."""
     times, order = {name: [] for name in fns}, list(fns.items())
     i = 0
     while i < warmup + repeats:
@@ -50,15 +90,6 @@ def timeit(fns, device, repeats=10, warmup=3):
             first = sum(ts[0] for ts in times.values())
             repeats = max(repeats, min(int(len(fns) * MIN_SECONDS / max(first, 1e-6)), 200))
     return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def ms(t):
-    """timeit's medians as row fields, in the order the callables were given: {"dense": s} -> {"dense_ms": 1e3 s}."""
-    return {f"{name}_ms": 1e3 * s for name, s in t.items()}
-
-
-DTYPE = None  # the autocast dtype of this run (--dtype; None: what training uses on the device)
-MIN_SECONDS = 0.25  # timeit's time per callable at least (0 with --quick: a smoke run); keeps `all` short on a GPU
 
 
 def train_step(model, x, y, device):
@@ -81,198 +112,260 @@ def forward(model, x, **kw):
     return run
 
 
-def decode_rows(suite, model, device, args, extra=None, compiled=False):
-    """Cached generation tokens/s of `model` (eval, its own routing) and of a dense GPT of the same size, at
-    batch 1 and 8, interleaved; greedy from a 16-token prompt. A row per batch size, with `flops_ideal`: the
-    dense GPT's FLOPs per token over the model's, with the routing its eval forward takes on the generated text
-    (the speed_ratio routed decoding would reach if time followed FLOPs). compiled: a `decode_compiled` row at
-    batch 1, both models' steps compiled (CUDA graphs on CUDA), compile time excluded (warm-up calls)."""
-    cfg = model.cfg
-    arch = {k: getattr(cfg, k) for k in common.ARCH_FIELDS}
-    torch.manual_seed(0)  # the dense GPT of the same size; the gpt suite's model is one (timed once)
-    dense = model if type(model) is common.Model else common.Model(common.Config(**arch)).to(device).eval()
-    n_new = 8 if args.quick else min(128, cfg.block_size - 16)
-    rows, reps = [], max(1, min(args.repeats, 3))  # a call is n_new steps: its median of 3 is steady
-
-    def gen(m, prompt, compile=False):
-        def run():
-            with common.autocast(device, DTYPE):
-                m.generate(prompt, n_new, temperature=0, compile=compile)
-        return run
-    for B in (1, 8):
-        prompt = torch.randint(0, cfg.vocab_size, (B, 16), generator=torch.Generator().manual_seed(B)).to(device)
-        fns = {"routed": gen(model, prompt)}
-        if dense is not model:
-            fns["dense"] = gen(dense, prompt)
-        t = timeit(fns, device, reps, warmup=1)
-        t.setdefault("dense", t["routed"])
-        row = {"suite": suite, "what": "decode", "B": B, "new_tokens": n_new, **(extra or {}),
-               "tokens_per_s": B * n_new / t["routed"], "dense_tokens_per_s": B * n_new / t["dense"],
-               "speed_ratio": t["dense"] / t["routed"]}
-        if "flops_ideal" not in row:  # the FLOPs the routing saved on the generated text, from the eval forward
-            with torch.no_grad(), common.autocast(device, DTYPE):
-                seq = model.generate(prompt, n_new, temperature=0)
-                saved = model(seq[:, :-1], seq[:, 1:])[2].get("flops_saved_hard", 0.0)
-            row["flops_ideal"] = 1.0 / (1.0 - float(saved))  # dense GPT FLOPs / routed FLOPs per token
-        rows.append(row)
-        if compiled and B == 1:
-            fns = {"eager": gen(model, prompt), "compiled": gen(model, prompt, compile=True)}
-            if dense is not model:
-                fns["dense_compiled"] = gen(dense, prompt, compile=True)
-            t = timeit(fns, device, reps, warmup=3)  # warm-up: compile, CUDA-graph record
-            rows.append({"suite": suite, "what": "decode_compiled", "B": 1, "new_tokens": n_new, **(extra or {}),
-                         "compiled_tokens_per_s": n_new / t["compiled"], "eager_tokens_per_s": n_new / t["eager"],
-                         "dense_compiled_tokens_per_s": n_new / t.get("dense_compiled", t["compiled"]),
-                         "speedup_compile": t["eager"] / t["compiled"]})
-    return rows
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops a call dispatches: at this project's sizes a GPU is bound by how many ops the host
-    launches (~30 µs each), not by FLOPs, and the count is the same on every device. Views and other
-    metadata-only ops launch no kernel and are not counted. syncs: the host reads that wait for the GPU (.item(),
-    nonzero's size, tolist, which dispatches nothing on the CPU and is counted around it): on the H200 ≈ 0.2 ms each
-    in a B=64 forward (the GPU's queue drains), little in a B=1 decode step (results/bench.md)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.syncs = {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func.is_view or func in METADATA_OPS):
-            name = func.overloadpacket.__name__
-            self.ops[name] = self.ops.get(name, 0) + 1
-            self.syncs += name in ("_local_scalar_dense", "nonzero")
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        tolist = self.tolist = torch.Tensor.tolist
-
-        def counted(t):
-            self.syncs += 1
-            return tolist(t)
-        torch.Tensor.tolist = counted
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self.tolist
-        return super().__exit__(*exc)
-
-    @property
-    def total(self):
-        return sum(self.ops.values())
-
-
-METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default,
-                torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
-                torch.ops.aten.dim.default, torch.ops.aten.is_contiguous.default}
-
-
-def count_ops(fn, *args, **kwargs):
-    """Ops dispatched by one call of fn(*args, **kwargs): (total, {op name: count})."""
-    with OpCounter() as c:
-        fn(*args, **kwargs)
-    return c.total, c.ops
-
-
-OPS_SIZE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=8, n_embd=256, dropout=0.0)  # the bars' size
-OPS_BARS = {"sparse": 2.0, "step": 1.2}  # vs the dense GPT's forward / decode step (the hybrid's forward: 3.0)
-
-
-@torch.no_grad()
-def count_paths(model, B=8, T=256):
-    """(ops, syncs) of OpCounter for model's forward at (B, T), its sparse forward when it has one, and its
-    B=1 decode step after a 100-token prefill (the most over 8 steps: a routed step's count depends on the path
-    the token takes). Counted on the CPU under bf16 autocast (what CUDA trains and infers in): the count of a
-    path does not depend on the device, and every machine gives the same rows."""
-    idx = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    out = {}
-
-    def count(fn, *args, **kwargs):  # -> ((ops, syncs), what fn returns)
-        with OpCounter() as c:
-            y = fn(*args, **kwargs)
-        return (c.total, c.syncs), y
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(idx)  # warm-ups: lazily built state (autocast's weight casts, a cached mask) is not counted
-        out["forward"] = count(model, idx)[0]
-        if model.__class__ is not common.Model:
-            model(idx, sparse=True)
-            out["sparse"] = count(model, idx, sparse=True)[0]
-        _, state = model.prefill(idx[:1, :100])
-        steps = []
-        for t in range(100, 108):
-            n, (_, state) = count(model.step, idx[:1, t:t + 1], state)
-            steps.append(n)
-        out["step"] = max(steps)
-    return out
-
-
-@torch.no_grad()
-def ops_model(suite):
-    """The suite's routed model at OPS_SIZE (the hybrid: 4 layers, G R R S) with mixed routing: about half the
-    tokens take each path in every routed layer, through the model's own routers."""
-    torch.manual_seed(0)
-    if suite == "tsa":
-        import tsa
-        m = tsa.Model(tsa.Config(**OPS_SIZE))
-        for r in m.routers:  # a wide logit around 0: p > 0.5 for about half the tokens
-            nn.init.normal_(r.fc2.weight, 0.0, 3.0)
-            nn.init.zeros_(r.fc2.bias)
-    elif suite == "dtrnet":
-        import dtrnet
-        m = dtrnet.Model(dtrnet.Config(**OPS_SIZE))
-        x = m.embed(torch.randint(0, 65, (4, 256), generator=torch.Generator().manual_seed(1)))
-        for blk in m.blocks:  # each router's W2 bias moves the median logit gap on x to 0
-            if isinstance(blk, dtrnet.DTRBlock):
-                z = blk.router.w2(F.silu(blk.router.w1(x)))  # (B, T, 2)
-                gap = (z[..., 0] - z[..., 1]).median()
-                blk.router.w2.bias = nn.Parameter(torch.stack([-gap / 2, gap / 2]))
-            x = blk(x)[0] if isinstance(blk, dtrnet.DTRBlock) else blk(x)
-    elif suite == "conddepth":
-        import conddepth
-        m = conddepth.Model(conddepth.Config(**OPS_SIZE))  # fan-in gate init: u spreads around its threshold
-    else:
-        import hybrid_attn as HA
-        m = HA.Model(HA.Config(**{**OPS_SIZE, "n_layer": 4}, pattern="G R R S"))  # random router: argmax mixed
-    return m.eval()
-
-
-def ops_rows(suite):
-    """`what=ops` rows: ops dispatched per call (OpCounter says why they matter), device-independent. gpt: the
-    dense GPT's own rows; a router: its dense-hard forward, sparse forward and decode step at OPS_SIZE with mixed
-    routing, each next to the dense GPT's count for the same call and the bar it must meet."""
-    torch.manual_seed(0)
-    gpt = count_paths(common.Model(common.Config(**OPS_SIZE)).eval())
-    if suite == "gpt":
-        return [{"suite": suite, "what": "ops", "path": f"gpt_{p}", "ops": n, "syncs": s, "dtype": "bf16"}
-                for p, (n, s) in gpt.items()]
-    rows = []
-    for path, (n, syncs) in count_paths(ops_model(suite)).items():
-        ref = gpt["step" if path == "step" else "forward"][0]
-        row = {"suite": suite, "what": "ops", "path": "dense_hard" if path == "forward" else path, "ops": n,
-               "syncs": syncs, "gpt_ops": ref, "ratio_vs_gpt": n / ref, "dtype": "bf16"}
-        if path in OPS_BARS:
-            row["bar"] = OPS_BARS[path] * (1.5 if suite == "hybrid" and path == "sparse" else 1.0)
-            row["meets_bar"] = n / ref <= row["bar"]
-        rows.append(row)
-    return rows
-
-
 def batch(cfg, B, T, device, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device) for _ in range(2))  # x, y
+    return tuple(torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)
+                 for _ in range(2))  # x, y
 
 
 def crossover(sweep, speed, **group):
-    """Rows of one sweep (B and T vary, all else fixed) -> a row naming the smallest B·T from which on the
-    sparse path beats dense at every measured size (where a small model's sparse path starts to pay)."""
+    """Rows of one sweep (B and T vary, all else fixed) -> a row naming the smallest B·T from which
+    on the sparse path beats dense at every measured size (where its skipping starts to pay)."""
     rs = sorted(sweep, key=lambda r: r["B"] * r["T"])
-    first = next((r["B"] * r["T"] for i, r in enumerate(rs) if all(q[speed] > 1.0 for q in rs[i:])), "none_measured")
-    return {"suite": rs[0]["suite"], "what": "crossover", **group, "B_T": "/".join(f"{r['B']}x{r['T']}" for r in rs),
+    first = next((r["B"] * r["T"] for i, r in enumerate(rs)
+                  if all(q[speed] > 1.0 for q in rs[i:])), "none_measured")
+    return {"suite": rs[0]["suite"], "what": "crossover", **group,
+            "B_T": "/".join(f"{r['B']}x{r['T']}" for r in rs),
             "speedups": "/".join(f"{r[speed]:.3f}" for r in rs), "sparse_faster_from_BT": first}
 
 
-# ----------------------------------------------------------------------------------------------------
+def compiled(model):
+    """torch.compile as train.py applies it, shapes static: each size its own specialised graphs."""
+    return torch.compile(model, dynamic=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Models: a suite's routed model and the dense GPT of the same size
+
+def configs(suite, size, share):
+    """(the suite's Config, the dense GPT's Config) at a size of SIZES. The hybrid: G, then R R S
+    repeated, S last (its paper's G R R S at 4 layers); conddepth: the last third of the layers
+    controlled at the budget ρ = share, the whole model trained (a like-for-like training step)."""
+    L = size["n_layer"]
+    arch = dict(vocab_size=65, block_size=size["T"], n_layer=L, n_head=size["n_head"],
+                n_embd=size["n_embd"])
+    extra = {"hybrid": dict(pattern=" ".join(("G" + "RRS" * L)[:L - 1] + "S")),
+             "conddepth": dict(n_controlled=max(1, L // 3), rho=share, controller_only=False)}
+    module = importlib.import_module(train.MODELS[suite])
+    return module.Config(**arch, **extra.get(suite, {})), common.Config(**arch)
+
+
+@torch.no_grad()
+def set_share(suite, model, x, share):
+    """Shift each router so that about `share` of x's tokens take its costly path (TSA: run the
+    block; DTRNet: attention; hybrid: softmax attention; conddepth: the full FFN, by its own
+    calibrate_thresholds), in depth order, each on the decisions of the routers before it. An eval
+    decision is a function of the token's state: the share holds in the forward and in decoding.
+    This reaches into the paper files (tsa: routers, fc2; dtrnet: blocks, router, w2; hybrid:
+    router; what a router's forward returns): where they are not found the model keeps its own
+    routing, and this returns "own" for its rows to say so."""
+    model.eval()
+    try:
+        if suite == "conddepth":
+            model.cfg.rho = share
+            model.calibrate_thresholds([x])  # θ at the budget ρ, as training sets it
+            return share
+        if suite == "tsa":  # p = σ(z) > 0.5 halts: the costly path is z <= 0
+            routers = [(r, lambda p: -torch.logit(p, 1e-6).flatten()[None], r.fc2)
+                       for r in model.routers]
+        elif suite == "dtrnet":  # [g_attn, g_bypass] = softmax(z): attention where z_0 > z_1
+            routers = [(b.router, lambda p: (p[..., 0].log() - p[..., 1].log()).flatten()[None],
+                        b.router.w2) for b in model.blocks if hasattr(b, "router")]
+        else:  # z (B, T, 2·nR): [GDN, softmax] per routed layer, softmax where z_1 > z_0
+            routers = [(model.router, lambda z: (z[..., 1::2] - z[..., ::2]).flatten(0, -2).T,
+                        model.router)]
+        for module, score, linear in routers:
+            if linear.bias is None:
+                linear.bias = nn.Parameter(linear.weight.new_zeros(linear.out_features))
+            out = []
+            hook = module.register_forward_hook(lambda m, i, o: out.append(o.detach().float()))
+            model(x)
+            hook.remove()
+            q = torch.quantile(score(out[0]), 1 - share, dim=1)  # (decisions,); > 0: costly
+            if suite == "tsa":
+                linear.bias += q
+            elif suite == "dtrnet":
+                linear.bias += torch.stack([-q[0], q[0]]) / 2
+            else:
+                linear.bias[1::2] -= q
+        return share
+    except (AttributeError, IndexError, TypeError, RuntimeError) as e:
+        print(f"bench: {suite}'s routers not found ({type(e).__name__}: {e}); its own routing "
+              "is timed", flush=True)
+        return "own"
+
+
+def models(suite, size, device, share=None):
+    """(routed model, dense GPT, the share set) at a size of SIZES, eval, on device."""
+    share = SHARES[suite] if share is None else share
+    cfg, dense_cfg = configs(suite, size, share)
+    torch.manual_seed(0)
+    routed = train.build(sys.modules[type(cfg).__module__], cfg).to(device)
+    dense = common.Model(dense_cfg).to(device).eval()
+    x = batch(cfg, min(size["B"], 4), size["T"], device, seed=1)[0]
+    return routed, dense, set_share(suite, routed, x, share)
+
+
+def check_ckpt(suite, path):
+    """The checkpoint a suite times, checked before any work: it loads, is this suite's model (not a
+    variant without its paths), and its weights fit its config. -> the model, on the CPU."""
+    if suite in ("all", "gpu"):
+        raise common.NanorouteError(f"--ckpt needs one suite ({', '.join(SUITES)}), not {suite}")
+    ck = common.load_checkpoint(path)
+    saved = ck["config"] if isinstance(ck["config"], dict) else {}
+    if saved.get("model") != suite:
+        raise common.NanorouteError(f"--ckpt {path} is a {saved.get('model')!r} run; "
+                                    f"bench.py {suite} needs a {suite} checkpoint")
+    module = importlib.import_module(train.MODELS[suite])
+    try:
+        model = train.build(module, module.Config(**saved))
+    except TypeError as e:
+        raise common.NanorouteError(f"--ckpt {path} has a config this code does not know ({e})")
+    if type(model) is not module.Model:
+        raise common.NanorouteError(f"--ckpt {path} holds a {type(model).__name__}, a {suite} "
+                                    f"variant; bench.py {suite} times {module.Model.__name__}")
+    try:
+        model.load_state_dict(ck["model"])
+    except (RuntimeError, TypeError) as e:
+        raise common.NanorouteError(f"--ckpt {path}: its weights do not fit its config "
+                                    f"({str(e).strip().splitlines()[0][:160]})")
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# Graph counts: what torch.compile sees of each path (device-independent)
+
+def explain(fn, *args, **kwargs):
+    """(graphs, breaks, the distinct break sites "file:line reason") of one call of fn."""
+    torch._dynamo.reset()
+    torch._logging.set_logs(dynamo=logging.ERROR)  # the breaks are in the rows, not in warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            e = torch._dynamo.explain(fn)(*args, **kwargs)
+    finally:
+        torch._logging.set_logs()
+    sites = []
+    for r in e.break_reasons:
+        frame = r.user_stack[-1] if r.user_stack else None
+        where = f"{os.path.basename(frame.filename)}:{frame.lineno} " if frame else ""
+        site = where + r.reason.strip().splitlines()[0][:80]
+        if site not in sites:
+            sites.append(site)
+    return e.graph_count, e.graph_break_count, "; ".join(sites)
+
+
+def graph_rows(suite, size=None):
+    """what=graphs: each path of the suite's model at `size` (GRAPH_SIZE) on the CPU in fp32, its
+    routers set to the suite's share (mixed routing: each data-dependent branch taken both ways)."""
+    cpu, size = torch.device("cpu"), size or GRAPH_SIZE
+    if suite == "gpt":
+        torch.manual_seed(0)
+        model = common.Model(configs("tsa", size, 0.5)[1]).eval()
+    else:
+        model = models(suite, size, cpu)[0]
+    x, y = batch(model.cfg, size["B"], size["T"], cpu)
+    half = size["T"] // 2
+    paths = {"train_forward": lambda: explain(copy.deepcopy(model).train(), x, y),
+             "eval_forward": lambda: explain(model, x)}
+    if suite != "gpt":
+        paths["sparse_forward"] = lambda: explain(model, x, sparse=True)
+    for B in (1, 4):
+        idx = batch(model.cfg, B, half + 1, cpu, seed=B)[0]
+        paths[f"decode_step_B{B}"] = lambda idx=idx: explain(
+            model.step, idx[:, half:], model.prefill(idx[:, :half])[1])
+    rows = []
+    for path, run in paths.items():
+        row = {"suite": suite, "what": "graphs", "path": path, "device": "cpu", "dtype": "fp32",
+               "n_layer": size["n_layer"], "B": int(path[-1]) if "B" in path else size["B"],
+               "T": size["T"]}
+        try:
+            row["graphs"], row["breaks"], row["break_sites"] = run()
+        except Exception as e:  # a path that does not trace is a finding, not a crash
+            row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+        rows.append(row)
+    torch._dynamo.reset()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Timed rows: routed vs dense, eager or compiled
+
+def ideal(model, x):
+    """The speedup if time followed FLOPs: 1 / (1 − the share of FLOPs the eval forward saved)."""
+    with torch.no_grad(), common.autocast(x.device, DTYPE):
+        stats = model.eval()(x, x)[2]  # with targets: some models report FLOPs with a loss only
+    return 1.0 / (1.0 - float(stats.get("flops_saved_hard", 0.0)))
+
+
+def forward_rows(suite, routed, dense, x, tags, device, repeats, comp, sweep=()):
+    """what=forward and what=sparse_forward at x; eager, also the sparse forward at the `sweep`
+    batch sizes and their crossover row."""
+    r, d = (compiled(routed), compiled(dense)) if comp else (routed, dense)
+    fns = {"dense": forward(d, x), "hard": forward(r, x), "sparse": forward(r, x, sparse=True)}
+    t = timeit(fns, device, repeats)
+    B, T = x.shape
+    base = {"suite": suite, "what": "forward", **tags, "compiled": comp, "B": B, "T": T}
+    rows = [{**base, "routed_ms": 1e3 * t["hard"], "dense_ms": 1e3 * t["dense"],
+             "speedup": t["dense"] / t["hard"]}]
+    sparse = [{**base, "what": "sparse_forward", "routed_ms": 1e3 * t["sparse"],
+               "dense_ms": 1e3 * t["dense"], "hard_ms": 1e3 * t["hard"],
+               "speedup": t["dense"] / t["sparse"], "speedup_vs_hard": t["hard"] / t["sparse"],
+               "flops_ideal": ideal(routed, x)}]
+    for Bs in sweep:
+        xs = batch(routed.cfg, Bs, T, device, seed=Bs)[0]
+        t = timeit({"hard": forward(routed, xs), "sparse": forward(routed, xs, sparse=True)},
+                   device, repeats)
+        sparse.append({**base, "what": "sparse_forward", "B": Bs, "routed_ms": 1e3 * t["sparse"],
+                       "hard_ms": 1e3 * t["hard"], "speedup_vs_hard": t["hard"] / t["sparse"],
+                       "flops_ideal": ideal(routed, xs)})
+    if sweep:
+        sparse.append(crossover(sparse, "speedup_vs_hard", **tags))
+    return rows + sparse
+
+
+def train_rows(suite, routed, dense, x, y, tags, device, repeats, comp):
+    """what=train_step, on copies of both models (training moves the routers off their share)."""
+    r, d = copy.deepcopy(routed).train(), copy.deepcopy(dense).train()
+    r, d = (compiled(r), compiled(d)) if comp else (r, d)
+    t = timeit({"routed": train_step(r, x, y, device), "dense": train_step(d, x, y, device)},
+               device, repeats)
+    return [{"suite": suite, "what": "train_step", **tags, "compiled": comp, "B": x.size(0),
+             "T": x.size(1), "routed_ms": 1e3 * t["routed"], "dense_ms": 1e3 * t["dense"],
+             "speedup": t["dense"] / t["routed"]}]
+
+
+def decode_rows(suite, routed, dense, tags, device, Bs, comp):
+    """what=decode: greedy cached generation after a 16-token prompt (fewer in a short context),
+    routed vs the dense GPT (None: the routed model alone), interleaved; compiled:
+    LM.generate(compile=True), its compile and CUDA-graph recording in the warm-up calls.
+    flops_ideal: from the routing the eval forward takes on the generated text."""
+    T = routed.cfg.block_size
+    n0 = max(1, min(16, T // 2))
+    n_new = max(1, min(8 if MIN_SECONDS == 0 else 128, T - n0))
+    rows = []
+
+    def gen(m, prompt):
+        def run():
+            with common.autocast(device, DTYPE):
+                return m.generate(prompt, n_new, temperature=0, compile=comp)
+        return run
+    for i, B in enumerate(Bs):
+        if comp and i:
+            torch._dynamo.reset()  # each B its own static-shape step
+        prompt = batch(routed.cfg, B, n0, device, seed=B)[0]
+        fns = {"routed": gen(routed, prompt), **({"dense": gen(dense, prompt)} if dense else {})}
+        t = timeit(fns, device, 3, warmup=3 if comp else 1)  # a call is n_new steps: steady
+        t.setdefault("dense", t["routed"])
+        rows.append({"suite": suite, "what": "decode", **tags, "compiled": comp, "B": B,
+                     "T": n0 + n_new, "new_tokens": n_new, "tokens_per_s": B * n_new / t["routed"],
+                     "dense_tokens_per_s": B * n_new / t["dense"],
+                     "speedup": t["dense"] / t["routed"],
+                     "flops_ideal": ideal(routed, gen(routed, prompt)()) if dense else 1.0})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
 # gpt: our dense GPT vs a plain nanoGPT-style model written here (same sizes, fused QKV, SDPA)
 
 class PlainBlock(nn.Module):
@@ -287,15 +380,16 @@ class PlainBlock(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.nh, C // self.nh).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
-        x = x + self.c_proj(y)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
 
 
 class PlainGPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(cfg.vocab_size, cfg.n_embd), nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.h = nn.ModuleList(PlainBlock(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -310,343 +404,143 @@ class PlainGPT(nn.Module):
         return logits, loss, {}
 
 
-def bench_gpt(args, device, rows):
-    cfg = common.Config(block_size=256)
-    B, T = (4, 64) if args.quick else (16, 256)
-    ours, plain = common.Model(cfg).to(device), PlainGPT(cfg).to(device)
-    x, y = batch(cfg, B, T, device)
-    for what, make in (("forward", lambda m: forward(m, x)), ("train_step", lambda m: train_step(m, x, y, device))):
-        t = timeit({"ours": make(ours), "plain": make(plain)}, device, args.repeats)
-        rows.append({"suite": "gpt", "what": what, "B": B, "T": T, **ms(t), "tokens_per_s": B * T / t["ours"],
-                     "speed_ratio_ours_vs_plain": t["plain"] / t["ours"]})
-    rows += decode_rows("gpt", ours.eval(), device, args, compiled=not args.quick or args.compile)
-
-
-# ----------------------------------------------------------------------------------------------------
-# hybrid: Gated DeltaNet chunked vs recurrent, GDN vs softmax, cached decode per pattern, sparse vs dense-hard
-
-def bench_hybrid(args, device, rows):
-    import hybrid_attn as HA
-    reps = min(args.repeats, 3)
-    B, nh, K = (1, 2, 32) if args.quick else (1, 4, 64)
-    for T in ((64, 256) if args.quick else (256, 1024, 4096)):
-        g = torch.Generator().manual_seed(T)
-        q, k, v = (F.normalize(torch.randn(B, nh, T, K, generator=g), dim=-1).to(device) for _ in range(3))
-        gate = (-torch.rand(B, nh, T, generator=g)).to(device)
-        beta = torch.rand(B, nh, T, generator=g).to(device)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, gate, beta)]
-
-        def fwd_bwd(fn):
-            def run():
-                o, S = fn(*leaves)
-                (o.sum() + S.sum()).backward()
-            return run
-        t = timeit({"chunked": fwd_bwd(lambda *a: HA.gated_delta_rule_chunked(*a, chunk_size=64)),
-                    "recurrent": fwd_bwd(HA.gated_delta_rule_recurrent)}, device, reps if T <= 1024 else 1,
-                   warmup=1)  # T=4096: one timed call; the loop's 4096 steps are ~150k ops (~5 s on a GPU)
-        rows.append({"suite": "hybrid", "what": "gdn_fwd_bwd", "B": B, "H": nh, "T": T, "K": K, **ms(t),
-                     "speedup_chunked": t["recurrent"] / t["chunked"]})
-        with torch.no_grad():
-            t = timeit({"gdn": lambda: HA.gated_delta_rule_chunked(q, k, v, gate, beta, chunk_size=64),
-                        "softmax": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)},
-                       device, args.repeats)
-        rows.append({"suite": "hybrid", "what": "gdn_vs_softmax_fwd", "B": B, "H": nh, "T": T, "K": K, **ms(t),
-                     "softmax_over_gdn": t["softmax"] / t["gdn"]})
-
-    # cached decoding, tokens/s per pattern (random weights: routed layers split tokens by an untrained router)
-    n_new, prompt_len = (16, 8) if args.quick else (128, 16)
-    for pattern in ("G R R S", "G G G S", "S S S S"):
-        torch.manual_seed(0)
-        m = HA.Model(HA.Config(pattern=pattern, block_size=256)).to(device).eval()
-        prompt = torch.randint(0, m.cfg.vocab_size, (1, prompt_len), device=device)
-        t = timeit({"cached": lambda: m.generate(prompt, n_new, temperature=0),
-                    "uncached": lambda: m.generate(prompt, n_new, temperature=0, use_cache=False)}, device, reps,
-                   warmup=1)
-        rows.append({"suite": "hybrid", "what": "decode_cache_vs_none", "pattern": pattern, "new_tokens": n_new,
-                     "cached_tok_s": n_new / t["cached"], "uncached_tok_s": n_new / t["uncached"],
-                     "speedup_cache": t["uncached"] / t["cached"]})
-
-    # sparse vs dense-hard forward of the hybrid at forced softmax fractions, FLOPs-ideal next to each
-    B, Ts = (2, (64,)) if args.quick else (8, (256, 1024))
-    for T in Ts:
-        torch.manual_seed(0)
-        m = HA.Model(HA.Config(pattern="G R R S", block_size=T)).to(device).eval()
-        x, _ = batch(m.cfg, B, T, device)
-        for frac in (0.1, 0.5):
-            m.forced_route = torch.rand(B, T, len(m.routed), device=device) < frac
-            t = timeit({"sparse": forward(m, x, sparse=True), "dense": forward(m, x)}, device, args.repeats)
-            ideal = HA.flops_per_token(m.cfg, T) / HA.flops_per_token(m.cfg, T, frac, sparse=True)
-            rows.append({"suite": "hybrid", "what": "sparse_vs_dense_hard", "B": B, "T": T, "softmax_frac": frac,
-                         **ms(t), "speedup": t["dense"] / t["sparse"], "flops_ideal": ideal})
-    for frac in (0.1, 0.5):
-        rows.append(crossover([r for r in rows if r["what"] == "sparse_vs_dense_hard" and r["softmax_frac"] == frac],
-                              "speedup", softmax_frac=frac))
-    if args.ckpt:  # a trained router's own decisions
-        ck = common.load_checkpoint(args.ckpt)
-        m = HA.Model(HA.Config(**ck["config"])).to(device).eval()
-        m.load_state_dict(ck["model"])
-        if m.routed:
-            T = m.cfg.block_size
-            x, _ = batch(m.cfg, 8, T, device)
-            with torch.no_grad():
-                frac = 1 - m(x)[2][f"gdn_frac_l{m.routed[0]}"].item()
-            t = timeit({"sparse": forward(m, x, sparse=True), "dense": forward(m, x)}, device, args.repeats)
-            rows.append({"suite": "hybrid", "what": "sparse_vs_dense_trained", "B": 8, "T": T,
-                         "softmax_frac_first_routed": frac, **ms(t), "speedup": t["dense"] / t["sparse"]})
+def bench_gpt(args, device, rows, size, modes):
+    rows += graph_rows("gpt", QUICK_GRAPH_SIZE if args.quick else None)
     torch.manual_seed(0)
-    m = HA.Model(HA.Config(pattern="G R R S", block_size=256 if not args.quick else 32)).to(device).eval()
-    rows += decode_rows("hybrid", m, device, args, {"pattern": "G R R S"}, compiled=args.compile)
+    ours = args.model or common.Model(configs("tsa", size, 0.5)[1])
+    ours = ours.to(device)
+    plain = PlainGPT(ours.cfg).to(device)
+    B, T = (8, ours.cfg.block_size) if args.model else (size["B"], size["T"])
+    x, y = batch(ours.cfg, B, T, device)
+    for comp in modes:
+        for what, run in (("forward", lambda m: forward(m, x)),
+                          ("train_step", lambda m: train_step(m.train(), x, y, device))):
+            o, p = (compiled(ours), compiled(plain)) if comp else (ours, plain)
+            t = timeit({"ours": run(o), "plain": run(p)}, device, args.repeats)
+            rows.append({"suite": "gpt", "what": what, "size": args.size_name, "compiled": comp,
+                         "B": B, "T": T, "ours_ms": 1e3 * t["ours"], "plain_ms": 1e3 * t["plain"],
+                         "tokens_per_s": B * T / t["ours"],
+                         "speed_ratio_ours_vs_plain": t["plain"] / t["ours"]})
+        tags = {"size": args.size_name}
+        rows += decode_rows("gpt", ours.eval(), None, tags, device, (1, 8), comp)
 
 
-# ----------------------------------------------------------------------------------------------------
-# dtrnet: dense GPT vs DTRNet sparse forward at forced routed fractions ρ (and a trained router), FLOPs-ideal
-# speedup next to the measured one; cached generation tokens/s and KV-cache bytes vs dense.
+# --------------------------------------------------------------------------------------------------
+# A routed suite, and the GPU script
 
-class _ForcedRouter(nn.Module):
-    """Routes a ~ρ fraction of tokens: a fixed pseudo-random function of the token's residual vector, so the
-    same token gets the same decision in the full forward and in cached decoding."""
-
-    def __init__(self, rho):
-        super().__init__()
-        self.rho = rho
-
-    def forward(self, x):
-        u = torch.frac(x[..., :8].sum(-1).abs() * 9973.0)          # (B, T) ~ uniform in [0, 1)
-        p = 0.3 + 0.4 * (u < self.rho).to(x.dtype)
-        return torch.stack([p, 1 - p], -1)                         # (B, T, 2)
-
-
-def bench_dtrnet(args, device, rows):
-    import dtrnet
-    quick = args.quick
-    Ts, B = ((64, 128), 2) if quick else ((512, 1024, 2048, 4096), 8)
-    cfg = dtrnet.Config(n_layer=7, n_head=4, n_embd=128, block_size=max(Ts), vocab_size=65)  # bilayer TDTDTDT
-
-    def forced(rho, c=cfg):
-        m = dtrnet.Model(c).to(device).eval()
-        for blk in m.blocks:
-            if isinstance(blk, dtrnet.DTRBlock):
-                blk.router = _ForcedRouter(rho)
-        return m
-
-    torch.manual_seed(0)
-    dense = common.Model(cfg).to(device).eval()
-    for T in Ts:
-        for rho_set in (0.1, 0.3, 0.5):
-            m = forced(rho_set)
-            x, _ = batch(m.cfg, B, T, device)
-            fns = {"dense": forward(dense, x), "sparse": forward(m, x, sparse=True)}
-            if T <= 1024:  # the boolean-mask reference materialises (B, nh, T, T) scores: skip it when large
-                fns["eval_masked"] = forward(m, x)
-            t = timeit(fns, device, args.repeats, warmup=1 if not quick else 2)
-            t.setdefault("eval_masked", float("nan"))
-            with torch.no_grad():
-                rho = m(x, sparse=True)[2]["frac_attn"].item()  # the fraction actually routed
-            ideal, meas = 1.0 / dtrnet.flops_ratio(m.cfg, T, rho), t["dense"] / t["sparse"]
-            rows.append({"suite": "dtrnet", "what": "forward_forced", "B": B, "T": T, "rho_set": rho_set, "rho": rho,
-                         **ms(t), "speedup_measured": meas, "speedup_flops_ideal": ideal,
-                         "gain_fraction_of_ideal": (meas - 1) / (ideal - 1) if ideal > 1 else float("nan")})
-    for rho in (0.1, 0.3, 0.5):
-        rows.append(crossover([r for r in rows if r.get("rho_set") == rho], "speedup_measured", rho_set=rho))
-    if args.ckpt:  # the trained router, at the checkpoint's own context length
-        ck = common.load_checkpoint(args.ckpt)
-        ccfg = dtrnet.Config(**{k: v for k, v in ck["config"].items() if k in dtrnet.Config.__dataclass_fields__})
-        m = dtrnet.Model(ccfg).to(device).eval()
-        m.load_state_dict(ck["model"])
-        data = common.load_split(ccfg.dataset, "val", ccfg.data_dir)
-        meta = common.load_meta(ccfg.dataset, ccfg.data_dir)
-        x, _ = common.get_batch(data, meta, B, ccfg.block_size, common.eval_rng(0, "val", 0), device)
-        dense_c = common.Model(ccfg).to(device).eval()
-        t = timeit({"dense": forward(dense_c, x), "sparse": forward(m, x, sparse=True),
-                    "eval_masked": forward(m, x)}, device, args.repeats)
-        with torch.no_grad():
-            rho = m(x)[2]["frac_attn"].item()
-        ideal = 1.0 / dtrnet.flops_ratio(ccfg, ccfg.block_size, rho)
-        rows.append({"suite": "dtrnet", "what": "forward_trained", "B": B, "T": ccfg.block_size, "rho_set": "trained",
-                     "rho": rho, **ms(t), "speedup_measured": t["dense"] / t["sparse"], "speedup_flops_ideal": ideal})
-    # cached decoding at B=1 and 8 vs the dense GPT's KV cache (ρ≈0.1), and the routed cache's bytes
-    n_new = 32 if quick else 256
-    gcfg = dtrnet.Config(n_layer=7, n_head=4, n_embd=128, block_size=n_new + 16, vocab_size=65)
-    m = forced(0.1, gcfg)
-    rows += decode_rows("dtrnet", m, device, args, {"rho_set": 0.1}, compiled=args.compile)
-    prompt = torch.zeros(1, 16, dtype=torch.long, device=device)
-    with torch.no_grad(), common.autocast(device, DTYPE):
-        logits, state = m.prefill(prompt)
-        for _ in range(n_new):
-            logits, state = m.step(logits.argmax(-1, keepdim=True), state)
-    held, full = dtrnet.kv_cache_bytes(state)
-    rows.append({"suite": "dtrnet", "what": "kv_cache", "B": 1, "T": n_new + 16, "rho_set": 0.1,
-                 "kv_bytes": held, "kv_bytes_dense": full, "kv_ratio": held / full})
-
-
-# ----------------------------------------------------------------------------------------------------
-# tsa: training step soft TSA vs dense; inference dense / soft / hard / sparse(FFN) / sparse(FFN+query) with
-# forced routing over an α sweep (FLOPs-ideal speedup next to each measured one); batch scaling; a trained ckpt
-
-def bench_tsa(args, device, rows):
-    import tsa
-    if args.quick:
-        kw, B, T, alphas, batches = dict(n_layer=4, n_head=4, n_embd=64), 4, 64, (0.3, 0.73, 1.0), (1, 4)
-    else:  # the paper's model (d=256, L=6, H=8) at its benchmark shape, batch 64 × seq 256 (its Table 8)
-        kw, B, T = dict(n_layer=6, n_head=8, n_embd=256), 64, 256
-        alphas, batches = (0.1, 0.3, 0.5, 0.73, 0.9, 1.0), (1, 8, 64, 128)
-    cfg = tsa.Config(vocab_size=65, block_size=T, **kw)
-    torch.manual_seed(0)
-    dense = common.Model(cfg).to(device)
-    model = tsa.Model(cfg).to(device)
-    model.load_state_dict(dense.state_dict(), strict=False)  # the same GPT weights plus routers
-    reps = args.repeats
-
-    Btr, Ttr = (4, 64) if args.quick else (16, 128)
-    x, y = batch(cfg, Btr, Ttr, device)
-    model.train()
-    t = timeit({"dense": train_step(dense, x, y, device), "tsa": train_step(model, x, y, device)}, device, reps)
-    rows.append({"suite": "tsa", "what": "train_step", "B": Btr, "T": Ttr, **ms(t),
-                 "ratio_tsa_vs_dense": t["tsa"] / t["dense"]})
-
-    originals = [r.forward for r in model.routers]
-
-    def force(alpha, B):
-        """Each router still runs, then a fixed random fraction α of the tokens is declared active."""
-        g = torch.Generator().manual_seed(0)
-        for r, orig in zip(model.routers, originals):
-            keep = (torch.rand(B, T, 1, generator=g) < alpha).to(device)
-            r.forward = lambda h, orig=orig, keep=keep: torch.where(keep, 0.25, 0.75) + 0 * orig(h)
-
-    def run(mode, x):
-        @torch.no_grad()
-        def f():
-            with common.autocast(device, DTYPE):
-                if mode == "dense":
-                    return dense(x)
-                model.train(mode == "soft")
-                model.cfg.skip_queries = mode == "sparse_query"
-                return model(x, sparse=mode.startswith("sparse"))
-        return f
-
-    ideal_mode = {"dense": "dense", "soft": "soft", "hard": "soft", "sparse_ffn": "ffn", "sparse_query": "query"}
-
-    def measure(what, B, modes, x):
-        t = timeit({m: run(m, x) for m in modes}, device, reps, warmup=1)
-        model.eval()
-        a_hard = model(x)[2]["alpha_hard"].item() if len(model.routers) else 1.0
-        for m in modes:
-            ideal = common.dense_flops_per_token(cfg, T) / tsa.flops_per_token(cfg, T, a_hard, ideal_mode[m])
-            speed = t["dense"] / t[m]
-            rows.append({"suite": "tsa", "what": what, "B": B, "T": T, "alpha": a_hard, "mode": m, "ms": 1e3 * t[m],
-                         "speedup_vs_dense": speed, "ideal_speedup": ideal,
-                         "frac_of_ideal_gain": (speed - 1) / (ideal - 1) if ideal > 1.001 else float("nan")})
-
-    if args.ckpt:  # only the trained routers, on real validation text (B windows of the run's block_size)
-        model, cfg = tsa.load_run(os.path.dirname(args.ckpt))
-        model.to(device)
-        T = cfg.block_size
-        dense = common.Model(cfg).to(device).eval()  # the same weights without routers
-        dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("routers.")})
-        val = common.load_split(cfg.dataset, "val", cfg.data_dir)
-        x = torch.stack([torch.from_numpy(val[i * T:(i + 1) * T].astype("int64")) for i in range(B)]).to(device)
-        measure("infer_trained_ckpt", B, ["dense", "hard", "sparse_ffn", "sparse_query"], x)
-        return
-    dense.eval()
-    x = batch(cfg, B, T, device)[0]
-    for alpha in alphas:  # the α sweep at the paper's shape
-        force(alpha, B)
-        extra = ["soft", "hard"] if alpha == 0.73 else []
-        measure("infer_alpha_sweep", B, ["dense", *extra, "sparse_ffn", "sparse_query"], x)
-    for Bs in batches:  # batch-size scaling at the paper's Shakespeare α
-        force(0.73, Bs)
-        measure("infer_batch_scaling", Bs, ["dense", "sparse_ffn", "sparse_query"], batch(cfg, Bs, T, device)[0])
-    for mode in ("sparse_ffn", "sparse_query"):
-        rows.append(crossover([r for r in rows if r["what"] == "infer_batch_scaling" and r["mode"] == mode],
-                              "speedup_vs_dense", mode=mode))
-    for r, orig in zip(model.routers, originals):
-        r.forward = orig
-    # decode: the real routers, each output bias shifted so that a share α = 0.73 of a batch's tokens is
-    # active there (the decision is a function of the token's state, so it holds at decode too)
-    x = batch(cfg, 8, T, device, seed=2)[0]
-    with torch.no_grad():
-        for r in model.routers:  # in order: each calibration sees the previous routers' final decisions
-            z = []
-            hook = r.fc2.register_forward_hook(lambda mod, inp, out: z.append(out.flatten().float()))
-            model.trunk(model.embed(x), "hard")
-            hook.remove()
-            r.fc2.bias -= z[0].quantile(0.73)  # active: p <= 0.5, i.e. logit <= the α-quantile
-        a_hard = model.eval()(x)[2]["alpha_hard"].item()
-    ideal = common.dense_flops_per_token(cfg, T) / tsa.flops_per_token(cfg, T, a_hard, "query")
-    rows += decode_rows("tsa", model, device, args, {"alpha": a_hard, "flops_ideal": ideal}, compiled=args.compile)
-
-
-# ----------------------------------------------------------------------------------------------------
-# conddepth: sparse vs dense-hard execution of the controlled FFN sub-layers (top-k ρ ∈ {0.25, 0.5}), and the
-# whole forward, each next to its FLOPs-ideal speedup
-
-def bench_conddepth(args, device, rows):
-    import conddepth as cd
-    if args.ckpt:
-        ck = common.load_checkpoint(args.ckpt)
-        kw = {k: ck["config"][k] for k in common.ARCH_FIELDS}
+def bench_routed(suite, args, device, rows, size, modes):
+    rows += graph_rows(suite, QUICK_GRAPH_SIZE if args.quick else None)
+    if args.model:  # the trained routers, on B = 8 windows of the run's context
+        routed, cfg = args.model.to(device).eval(), args.model.cfg
+        dense = common.Model(common.Config(**{k: getattr(cfg, k) for k in common.ARCH_FIELDS}))
+        dense, share, B, T = dense.to(device).eval(), "trained", 8, cfg.block_size
     else:
-        kw = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=65) if args.quick else dict(vocab_size=65)
-    B, T = (4, 64) if args.quick else (16, 128)
-    for rho in (0.25, 0.5):
-        cfg = cd.Config(**{**kw, "block_size": max(T, kw.get("block_size", T))}, rho=rho,
-                        n_controlled=1 if args.quick else 2)
-        torch.manual_seed(0)
-        model = cd.Model(cfg).to(device).eval()
-        if args.ckpt:
-            model.load_state_dict(ck["model"], strict=False)
-        x, _ = batch(cfg, B, T, device)
-        model.calibrate_thresholds([x])  # causal θ at the budget ρ (a fresh model starts at θ = +∞: all cheap)
-        block, cheap = model.blocks[-1], model.cheap[-1]
-        a = torch.randn(B, T, cfg.n_embd, device=device)
-        m = cd.topk_mask(torch.randn(B, T, device=device), cd.budget_k(rho, T))
-        with torch.no_grad():  # dense: what eval() does, both paths for every token, then select
-            t = timeit({"dense": lambda: torch.where(m[..., None], a + block.ffn_delta(a), a + cheap(a)),
-                        "sparse": lambda: cd.sparse_ffn(block, cheap, a, m)}, device, args.repeats)
-        d, dff = cfg.n_embd, 4 * cfg.n_embd
-        ffn, chp = common.flops_ffn(d, dff), common.flops_ffn(d, cfg.cheap_rank)
-        rows.append({"suite": "conddepth", "what": "controlled_ffn_sublayer", "rho": rho, "B": B, "T": T, **ms(t),
-                     "speedup": t["dense"] / t["sparse"], "ideal_speedup": (ffn + chp) / (rho * ffn + (1 - rho) * chp)})
-        C, L = cfg.n_controlled, cfg.n_layer
-        attn = common.flops_qkv(d) + common.flops_attn_out(d) + common.flops_attn_scores(d, common.mean_context(T))
-        ctrl = cd.controller_flops(cfg, train=False)
-        base = L * attn + (L - C) * ffn + common.flops_lm_head(d, cfg.vocab_size) + C * ctrl
-        ideal = (base + C * (ffn + chp)) / (base + C * (rho * ffn + (1 - rho) * chp))
-        sweep = []
-        for Bf in ((1, 4) if args.quick else (1, 8, 64)):  # the whole model, dense-hard vs sparse
-            x, _ = batch(cfg, Bf, T, device)
-            t = timeit({"dense": forward(model, x), "sparse": forward(model, x, sparse=True)}, device, args.repeats)
-            sweep.append({"suite": "conddepth", "what": "model_forward", "rho": rho, "B": Bf, "T": T, **ms(t),
-                          "speedup": t["dense"] / t["sparse"], "ideal_speedup": ideal,
-                          "frac_of_ideal_gain": (t["dense"] / t["sparse"] - 1) / (ideal - 1),
-                          "infer_vs_full": cd.infer_vs_full(cfg)})
-        rows += sweep + [crossover(sweep, "speedup", rho=rho)]
-        rows += decode_rows("conddepth", model, device, args, {"rho": rho}, compiled=args.compile and rho == 0.5)
+        routed, dense, share = models(suite, size, device)
+        B, T = size["B"], size["T"]
+    tags = {"size": args.size_name, "share_set": share}
+    x, y = batch(routed.cfg, B, T, device)
+    for comp in modes:
+        rows += forward_rows(suite, routed, dense, x, tags, device, args.repeats, comp,
+                             sweep=() if comp else sorted({1, min(4, B)} - {B}))
+        rows += train_rows(suite, routed, dense, x, y, tags, device, args.repeats, comp)
+        rows += decode_rows(suite, routed, dense, tags, device, (1, 8), comp)
+    if suite == "dtrnet" and args.size_name == "busy" and not args.model:
+        rows += long_rows(args.size_name, device, args.repeats, modes)
 
 
-# ----------------------------------------------------------------------------------------------------
+def long_rows(size_name, device, repeats, modes):
+    """DTRNet's sparse forward at LONG_T (twice T below the busy size), ρ = 0.1, vs the dense GPT;
+    B a quarter of the size's: the same number of tokens."""
+    size = SIZES[size_name]
+    T = LONG_T if size_name == "busy" else 2 * size["T"]
+    size = {**size, "T": T, "B": max(1, size["B"] // 4)}
+    routed, dense, share = models("dtrnet", size, device, share=0.1)
+    x = batch(routed.cfg, size["B"], size["T"], device)[0]
+    out = []
+    for comp in modes:
+        r, d = (compiled(routed), compiled(dense)) if comp else (routed, dense)
+        t = timeit({"dense": forward(d, x), "sparse": forward(r, x, sparse=True)}, device, repeats)
+        out.append({"suite": "dtrnet", "what": "sparse_forward", "size": f"{size_name}_T{T}",
+                    "share_set": share, "compiled": comp, "B": size["B"], "T": size["T"],
+                    "routed_ms": 1e3 * t["sparse"], "dense_ms": 1e3 * t["dense"],
+                    "speedup": t["dense"] / t["sparse"], "flops_ideal": ideal(routed, x)})
+    return out
 
-SUITES = {"gpt": bench_gpt, "hybrid": bench_hybrid, "dtrnet": bench_dtrnet, "tsa": bench_tsa,
-          "conddepth": bench_conddepth}
+
+def bench_gpu(args, device, rows):
+    """The GPU script: compiled measurements in priority order, each skipped (a what=skipped row)
+    when the time used and the slowest measurement so far (compiles dominate) pass --budget, and
+    written as what=failed when it raises. --only keeps those whose name contains its text."""
+    small, big = args.size_name, "quick" if args.quick else "busy"
+
+    def run(what, s, size):
+        routed, dense, share = models(s, SIZES[size], device)
+        x, y = batch(routed.cfg, SIZES[size]["B"], SIZES[size]["T"], device)
+        tags = {"size": size, "share_set": share}
+        if what == "decode":
+            return decode_rows(s, routed, dense, tags, device, (1,), True)
+        if what == "train_step":
+            return train_rows(s, routed, dense, x, y, tags, device, args.repeats, True)
+        return forward_rows(s, routed, dense, x, tags, device, args.repeats, True)
+    plan = [("decode", s, small) for s in ROUTERS] + [("train_step", s, small) for s in ROUTERS]
+    plan += [("sparse_forward", s, big) for s in ROUTERS] + [("long", "dtrnet", big)]
+    plan += [("train_step", s, big) for s in ROUTERS]
+    groups = [(f"{what} {size} {s}", lambda w=what, s=s, z=size: long_rows(
+        z, device, args.repeats, (True,)) if w == "long" else run(w, s, z))
+        for what, s, size in plan]
+    groups = [g for g in groups if args.only in g[0]]
+    start, slowest = time.monotonic(), 0.0
+    for i, (name, measure) in enumerate(groups):
+        used = time.monotonic() - start
+        if used + slowest > args.budget:
+            for skipped, _ in groups[i:]:
+                rows.append({"suite": skipped.split()[-1], "what": "skipped", "group": skipped,
+                             "why": f"time budget: {used:.0f} s of {args.budget:.0f} s used, the "
+                                    f"slowest measurement so far took {slowest:.0f} s"})
+            return
+        t = time.monotonic()
+        try:
+            rows += measure()
+        except Exception as e:  # a compiler failure is a result: say which and go on
+            rows.append({"suite": name.split()[-1], "what": "failed", "group": name,
+                         "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"})
+        slowest = max(slowest, time.monotonic() - t)
+
+
+# --------------------------------------------------------------------------------------------------
+
+SUITES = {"gpt": bench_gpt, **{s: (lambda s: lambda *a: bench_routed(s, *a))(s) for s in ROUTERS}}
+
+
+def commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 class Rows(list):
-    """The rows of this run: each is printed and, with --json, the file rewritten (atomically) as it is
-    measured, so a run stopped half-way keeps every row it finished."""
+    """The rows of this run: each is printed and, with --json, the file rewritten (atomically) as it
+    is measured, so a run stopped half-way keeps every row it finished."""
 
     def __init__(self, args, device):
         super().__init__()
         self.args, self.device = args, device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        self.head = {"argv": sys.argv, "torch": torch.__version__, "commit": commit(),
+                     "device_name": name, "threads": torch.get_num_threads()}
 
     def append(self, r):
-        r["device"] = str(self.device)
+        r.setdefault("device", str(self.device))
         r.setdefault("dtype", DTYPE)
         super().append(r)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in r.items()), flush=True)
         if self.args.json:
             with open(self.args.json + ".tmp", "w") as f:
-                json.dump({"argv": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                           "rows": list(self)}, f, indent=1)
+                json.dump({**self.head, "rows": list(self)}, f, indent=1)
             os.replace(self.args.json + ".tmp", self.args.json)
 
     def __iadd__(self, rs):
@@ -655,35 +549,67 @@ class Rows(list):
         return self
 
 
+def check_json(path):
+    """--json names a file that can be written (its folder is made if missing)."""
+    if os.path.isdir(path):
+        raise common.NanorouteError(f"--json {path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise common.NanorouteError(f"--json {path}: {parent} is a file, not a folder")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w"):
+            pass
+        os.remove(path + ".tmp")
+    except OSError as e:
+        raise common.NanorouteError(f"--json {path}: cannot write there ({e.strerror or e})")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every entry point here
+        print(f"error: {message} (python bench.py --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=list(SUITES) + ["all", "ops"], help="ops: only the what=ops rows of every suite")
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=list(SUITES) + ["all", "gpu"], help="a suite, all, or gpu")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=list(common.DTYPES), default=None,
-                   help="autocast dtype (default: what training uses on the device: bf16 on CUDA, fp32 elsewhere)")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    p.add_argument("--compile", action="store_true", help="also time compiled decoding in every suite (gpt: always)")
-    p.add_argument("--json", default="", help="also write the rows to this JSON file (rewritten after every row)")
-    p.add_argument("--ckpt", default="", help="a trained checkpoint, for suites that use trained routers")
+                   help="autocast dtype (default: training's: bf16 on CUDA, fp32 elsewhere)")
+    p.add_argument("--size", choices=["small", "busy"], default="small",
+                   help="small: 6 layers x 256, T = 256, B = 16; busy: 12 x 768, T = 1,024, B = 16")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (3 x 64, T = 32): a smoke run")
+    p.add_argument("--compile", action="store_true", help="also time each row compiled")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls at least (default 10)")
+    p.add_argument("--budget", type=float, default=450.0, help="gpu: seconds to end within (450)")
+    p.add_argument("--only", default="", help="gpu: only the measurements whose name contains this")
+    p.add_argument("--json", default="", help="also write the rows to this file, after every row")
+    p.add_argument("--ckpt", default="", help="a trained checkpoint of the suite's model")
     args = p.parse_args(argv)
     try:
         global DTYPE, MIN_SECONDS
         if args.repeats < 1:
             raise common.NanorouteError(f"--repeats must be >= 1, got {args.repeats}")
-        if args.json and os.path.isdir(args.json):
-            raise common.NanorouteError(f"--json {args.json} is a directory; give a file name")
-        MIN_SECONDS = 0.0 if args.quick else MIN_SECONDS
+        if not args.budget > 0:
+            raise common.NanorouteError(f"--budget must be > 0 seconds, got {args.budget}")
+        args.model = check_ckpt(args.suite, args.ckpt) if args.ckpt else None
         device = common.pick_device(args.device)
         DTYPE = args.dtype or common.default_dtype(device)
+        common.autocast(device, DTYPE)  # refuses a dtype this device cannot run, before any work
         if args.json:
-            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        torch.manual_seed(0)
+            check_json(args.json)
+        MIN_SECONDS = 0.0 if args.quick else MIN_SECONDS
+        args.size_name = "quick" if args.quick else args.size
+        torch._dynamo.config.cache_size_limit = 64  # many models, sizes and paths in one process
         rows = Rows(args, device)
-        for name in (SUITES if args.suite in ("all", "ops") else [args.suite]):
-            rows += ops_rows(name)  # first: no timing, and a run stopped in the suite keeps them
-            if args.suite != "ops":
-                SUITES[name](args, device, rows)
+        if args.suite == "gpu":
+            bench_gpu(args, device, rows)
+        for name in [] if args.suite == "gpu" else SUITES if args.suite == "all" else [args.suite]:
+            SUITES[name](args, device, rows, SIZES[args.size_name],
+                         (False, True) if args.compile else (False,))
     except common.NanorouteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
