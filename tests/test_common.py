@@ -788,7 +788,7 @@ def test_a_finished_ddp_worker_skips_the_interpreter_teardown(data_dir, tmp_path
 def test_bench_gpt_quick_smoke(tmp_path):
     import bench
     rows = bench.main(["gpt", "--quick", "--repeats=1", f"--json={tmp_path / 'b.json'}"])
-    assert {r["what"] for r in rows} == {"ops", "forward", "train_step", "decode"}
+    assert {r["what"] for r in rows} == {"graphs", "forward", "train_step", "decode"}
     assert all(r["speed_ratio_ours_vs_plain"] > 0 for r in rows if r["what"] in ("forward", "train_step"))
     assert [r["B"] for r in rows if r["what"] == "decode"] == [1, 8]
     assert all(r["tokens_per_s"] > 0 and r["dense_tokens_per_s"] > 0 for r in rows if r["what"] == "decode")
