@@ -25,7 +25,7 @@ Deviations from the paper and the authors' code, one line each (measured: result
   * the router runs in fp32 under autocast (the numerics policy: routing decisions in fp32).
   * p_l = 0.5 exactly runs the block (§3.6: p > 0.5 halts); the authors' MLX code halts it.
   * `--preset paper`: lr 3e-4 → 3e-5, dropout 0.1, no warm-up from the authors' code (paper: none).
-  * dropout as common.Block has it (attention's out-projection); the authors: the FFN's GELU output.
+  * dropout after attention's and the FFN's out-projections (common.Block); the authors: after GELU.
   * `--preset paper` has no biases (bias=False); the authors' LayerNorms and FFN have them.
   * Q/K/V, FFN-in and router weights start N(0, 0.02); the authors keep PyTorch's default init.
   * Shakespeare splits 90/10 train/val (common.prepare); the paper and the authors 80/10/10.
