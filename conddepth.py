@@ -320,13 +320,11 @@ class Model(common.LM):
                 x = a + block.ffn_delta(a)
                 continue
             full = self.controller(j, a)[0] > self.thresholds[j]  # (B, T')
-            run_full, run_cheap = lambda a: a + block.ffn_delta(a), lambda a: a + self.cheap[j](a)
-            if full.numel() == 1:  # one token runs its FFN only, as the host or graph decides
-                pred = full.view(()) if torch.compiler.is_compiling() else bool(full)
-                x = torch.cond(pred, run_full, run_cheap, (a,))
-            elif torch.compiler.is_compiling():  # fixed shapes: both FFNs, each row its own
-                x = torch.where(full[..., None], run_full(a), run_cheap(a))
-            else:
+            if torch.compiler.is_compiling():  # one graph, no host sync: both FFNs, rows select
+                x = torch.where(full[..., None], a + block.ffn_delta(a), a + self.cheap[j](a))
+            elif full.numel() == 1:  # one token: the host decides, only its FFN runs
+                x = a + (block.ffn_delta(a) if full.item() else self.cheap[j](a))
+            else:  # the rows that run each FFN are selected
                 x = sparse_ffn(block, self.cheap[j], a, full)
         return self.head(x[:, -1:])[0][:, -1], (caches, pos + tok.size(1))
 

@@ -199,12 +199,10 @@ class DTRBlock(common.Block):
         h = self.ln_1(x)                         # (B, T, C)
         g_attn, g_bypass, delta = self.route(x)  # eqs. (1)-(2)
         v = self.proj(h, "v")                    # (B, T, C): every token's value (eq. 5)
-        a, kv = v, None
         if not packed:
-            a = self.attend_masked(h, v, delta)
-        elif self.training:  # every row padded to T: a shape the compiler sees, and no host sync
-            a, kv = self.attend_packed(h, v, delta, x.size(1))
-        elif R := pack_length(delta):  # graph break: the routed count sets the packed shapes
+            a, kv = self.attend_masked(h, v, delta), None
+        else:  # training pads every row to T: a shape the compiler sees, no host sync
+            R = x.size(1) if self.training else pack_length(delta)  # graph break: a host read
             a, kv = self.attend_packed(h, v, delta, R)
         x = self.mix(x, a, h, v, delta, torch.where(delta, g_attn, g_bypass))
         return x + self.ffn_delta(x), g_attn, delta, kv
@@ -348,11 +346,14 @@ PACK_MULTIPLE = 64
 
 def pack_length(delta):
     """δ (B, T) -> R: the most tokens a row routes, rounded up to a multiple of PACK_MULTIPLE (at
-    most T); 0 when no row routes. A host sync: R is the packed batch's shape."""
-    n = int(delta.sum(1).max())
+    least one, at most T): the packed batch's length, read on the host."""
     # Bucketed: cuDNN attention (SDPA's pick in bf16 on CUDA) and torch.compile set up anew per
     # length (an H100 training step: 143 ms vs 10.3 ms in fp32, unbucketed).
-    return 0 if n == 0 else min(delta.size(1), -(-n // PACK_MULTIPLE) * PACK_MULTIPLE)
+    T, M = delta.size(1), PACK_MULTIPLE
+    R = int(((delta.sum(1).max().clamp(min=1) + M - 1) // M * M).clamp(max=T))
+    torch._check(0 < R)  # for a compiler tracing R as a size (fullgraph=True)
+    torch._check(R <= T)
+    return R
 
 
 # Decoding: the routed KV cache
@@ -360,14 +361,13 @@ def pack_length(delta):
 class RoutedKVCache:
     """K/V of one D layer's routed tokens: row b holds its n[b] routed tokens in slots 0..n[b]-1."""
 
-    def __init__(self, n, like, kv=None):
+    def __init__(self, n, like, kv):
         """n (B,) routed tokens per row; like: a T layer's K (B, nh, S, hs), the shape to take;
-        kv: the routed tokens' K, V (B, nh, R, hs) packed to the front, or None."""
+        kv: the routed tokens' K, V (B, nh, R, hs), packed to the front."""
         self.n = n  # (B,) long
         self.k, self.v = torch.zeros_like(like), torch.zeros_like(like)  # (B, nh, S, hs)
-        if kv is not None:
-            R = kv[0].size(2)
-            self.k[:, :, :R], self.v[:, :, :R] = kv
+        R = kv[0].size(2)
+        self.k[:, :, :R], self.v[:, :, :R] = kv
         for t in (self.n, self.k, self.v):  # written in place by a compiled step
             torch._dynamo.mark_static_address(t)
 

@@ -11,9 +11,9 @@ updates of every block after the stem.
     (6)  α = 1/(L−1) Σ_l mean(1 − p_l)                       (the mean active fraction)
     (7)  Δ = 1 − (1 + (L−1) α) / L                             (TLOps saved, common.tlops_saving)
 
-Inference (§3.6): a token with p_l > 0.5 halts at block l+1. eval() applies these decisions densely
-(the reference); `sparse=True` and the decode step skip a halted token's attention, out-projection
-and FFN, same logits; its K/V still run (later tokens attend to it).
+Inference (§3.6): a token with p_l > 0.5 halts at block l+1. eval() applies this densely (the
+reference); `sparse=True` and the decode step skip a halted token's attention, out-projection and
+FFN, same logits; its K/V still run (later tokens attend to it).
 
 Deviations from the paper and the authors' code, one line each (measured: results/tsa.md):
   * hard_ft_iters: the last iterations train straight-through (forward: eval's gate; grad: 1 − p's).
@@ -25,7 +25,7 @@ Deviations from the paper and the authors' code, one line each (measured: result
   * the router runs in fp32 under autocast (the numerics policy: routing decisions in fp32).
   * p_l = 0.5 exactly runs the block (§3.6: p > 0.5 halts); the authors' MLX code halts it.
   * `--preset paper`: lr 3e-4 → 3e-5, dropout 0.1, no warm-up from the authors' code (paper: none).
-  * dropout as common.Block has it (attention's out-projection); the authors: the FFN's GELU output.
+  * dropout after attention's and the FFN's out-projections (common.Block); the authors: after GELU.
   * `--preset paper` has no biases (bias=False); the authors' LayerNorms and FFN have them.
   * Q/K/V, FFN-in and router weights start N(0, 0.02); the authors keep PyTorch's default init.
   * Shakespeare splits 90/10 train/val (common.prepare); the paper and the authors 80/10/10.
@@ -50,10 +50,10 @@ class Config(common.Config):
     router_bias: float = -1.0  # b2 init: σ(−1) ≈ 0.27, so routers start mostly open (§2.2)
     hard_variant: str = "scaled"  # an active token's eval gate: "01" (paper: 1), "scaled" (1 − p)
     skip_queries: bool = True  # sparse path: halted tokens also skip attention / out-proj
-    eval_soft: bool = True  # eval also runs the soft pass (soft_loss next to the hard loss)
+    eval_soft: bool = True  # eval also runs the soft pass (its loss: soft_loss)
     hard_ft_iters: int = 250  # the last iterations train straight-through (all if > max_iters)
     hard_ft_routers: str = "train"  # ... routers "train", "frozen", "calibrate", "soft" (no phase)
-    hard_ft_lr: float = 0.0  # > 0: that phase's lr restarts here, cosine to min_lr
+    hard_ft_lr: float = 0.0  # > 0: the phase's lr restarts here, cosine to min_lr
     exec_share: float = 0.0  # "calibrate": share of routed token-layers left active (0: 1 − p̄)
     variant: str = "tsa"  # or "early_exit", the §3.5 baseline
     threshold: float = 1.0  # early exit: exit when max softmax prob > threshold (1.0: never)
@@ -81,7 +81,7 @@ class Config(common.Config):
 
 PRESETS = {
     # The paper's Shakespeare setup (§3.2) and sparse-TSA (§3.6), lr, dropout, warm-up as the
-    # authors'; ours adds 750 calibrated straight-through iterations (--hard_ft_iters=0: none).
+    # authors'; ours adds 750 calibrated straight-through steps (--hard_ft_iters=0: none).
     "paper": dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
                   learning_rate=3e-4, min_lr=3e-5, warmup_iters=0, beta2=0.95, weight_decay=0.1,
                   dropout=0.1, eval_interval=250, lam=1e-3, hard_variant="01", skip_queries=False,
@@ -131,7 +131,7 @@ class Model(common.LM):
     def __init__(self, cfg):
         super().__init__(cfg)
         if cfg.variant != "tsa":
-            raise NanorouteError(f"variant={cfg.variant!r} is built by tsa.build(cfg) (EarlyExit)")
+            raise NanorouteError(f"variant={cfg.variant!r}: build it with tsa.build(cfg)")
         L = cfg.n_layer
         self.blocks = nn.ModuleList([common.Block(cfg) for _ in range(L)])
         self.routers = nn.ModuleList([Router(cfg.n_embd) for _ in range(L - 1)])  # r_0..r_{L-2}
@@ -140,7 +140,7 @@ class Model(common.LM):
             raise NanorouteError(f"hard_ft_routers={cfg.hard_ft_routers} leaves routers without "
                                  "gradients, which DDP refuses: use one process or 'train'")
         self.hard_train = False  # on_step sets these: the straight-through phase,
-        self.calibrate_now = False  # and its first step ("calibrate")
+        self.calibrate_now = False  # its first step ("calibrate")
         self.init_weights()
         for r in self.routers:
             nn.init.constant_(r.fc2.bias, cfg.router_bias)
@@ -195,7 +195,7 @@ class Model(common.LM):
         if sparse and self.training:
             raise NanorouteError("sparse=True is an inference path: call model.eval() first")
         x = self.embed(idx)  # (B, T, C)
-        if sparse:
+        if sparse:  # graph break before and after this call (it patches dynamo's config)
             h, ps = sparse_trunk(self, x)
         else:
             h, ps = self.trunk(x, "hard" if not self.training else
@@ -228,7 +228,7 @@ class Model(common.LM):
         caches, pos = state
         x = self.wte(tok) + self.wpe(pos)  # (B, 1, C)
         mask = common.past_mask(pos, self.cfg.block_size, caches[0].k.dtype)  # (1, S)
-        x = self.blocks[0].step(x, caches[0], pos, mask)  # the stem: common.Block's cached step
+        x = self.blocks[0].step(x, caches[0], pos, mask)  # stem f0
         for router, block, cache in zip(self.routers, self.blocks[1:], caches[1:]):
             x = decode_block(self, block, cache, x, pos, mask, router(x))
         return self.head(x)[0][:, -1], (caches, pos + 1)
@@ -239,8 +239,8 @@ class Model(common.LM):
 
     @torch.no_grad()
     def routing_map(self, idx):
-        """idx (1, T) -> (m (L, T) on CPU, rows, legend): row 0 the share of the L−1 routed blocks
-        each token ran, then one row per routed block (1 = ran it)."""
+        """idx (1, T) -> (m (L, T) on CPU, rows, legend): row 0 the share of routed blocks each
+        token ran, then a row per routed block (1 = ran it)."""
         was_training = self.training
         self.eval()
         actives = self.actives(self.embed(idx))
@@ -321,7 +321,7 @@ class EarlyExit(common.LM):
     routing_map = Model.routing_map
 
 
-# Stats: eqs. (5)–(7), and what the hard decisions executed
+# Stats: eqs. (5)–(7), and what the hard decisions ran
 
 def depth_stats(ps, cfg):
     """ps: the L−1 router outputs (B, T, 1) -> (L_depth of eq. 5, stats: active_r{l}, α, Δ)."""
@@ -349,41 +349,43 @@ def hard_stats(cfg, hard, T):
 
 # Sparse inference (§3.6)
 
+# compiled: nonzero's data-dependent size traced as a symbol, one graph that never recompiles
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
 def sparse_trunk(model, x, caches=None):
-    """model.trunk(x, "hard"), per routed block only the N active tokens' rows run (out-projection,
-    FFN). caches (a list, prefill): every block's K/V goes in it. -> (final state, the L−1 p_l)."""
-    B, T, C = x.shape
-    cfg = model.cfg
+    """model.trunk(x, "hard") with the work of halted tokens skipped. caches (a list, prefill):
+    every block's K/V goes in it. -> (final state, the L−1 p_l)."""
     if caches is None:
         x = model.blocks[0](x)  # stem f0
     else:  # ... also storing its K/V (prefill)
-        x, cache = model.blocks[0].prefill(x, cfg.block_size)
+        x, cache = model.blocks[0].prefill(x, model.cfg.block_size)
         caches.append(cache)
     ps = []
     for router, block in zip(model.routers, model.blocks[1:]):
-        p = router(x)  # (B, T, 1) p_l
-        ps.append(p)
-        # graph break: nonzero's size sets the gathered shapes
-        idx = active(p).view(-1).nonzero().squeeze(1)  # (N,) the tokens that run block l+1
-        g = model.gate(p, "hard").view(B * T, 1)[idx]  # (N, 1)
-        attn = block.attn
-        if cfg.skip_queries or caches is not None:  # K/V of every token: later ones attend to it
-            q, k, v = attn.qkv(block.ln_1(x))  # 3 × (B, nh, T, hs)
-            if caches is not None:
-                caches.append(common.KVCache(B, cfg.block_size, k, v))
-        if idx.numel() == 0:  # every token halts
-            continue
-        xa = x.view(B * T, C)[idx]  # (N, C) the active tokens' state
-        if cfg.skip_queries or caches is not None:
-            # every query slot attends and the halted ones are dropped: a query length that
-            # followed the routing would change SDPA's shapes from batch to batch
-            y = attn.attend(q, k, v).view(B * T, C)[idx]  # (N, C)
-            xa = gated(xa, g, attn.c_proj(y))  # eq. (3)
-        else:  # the paper's sparse-TSA: dense attention, its residual gated by the same mask
-            xa = gated(xa, g, block.attn_delta(x).view(B * T, C)[idx])
-        xa = gated(xa, g, block.ffn_delta(xa))  # eq. (4), the FFN on active tokens only
-        x = x.view(B * T, C).index_copy(0, idx, xa).view(B, T, C)
+        ps.append(router(x))  # (B, T, 1) p_l
+        x = sparse_block(model, block, x, ps[-1], caches)
     return x, ps
+
+
+def sparse_block(model, block, x, p, caches):
+    """Block l+1 run by its N active tokens: their rows are gathered, run through out-projection
+    and FFN, and written back."""
+    B, T, C = x.shape
+    attn, dense_attention = block.attn, not model.cfg.skip_queries and caches is None
+    if not dense_attention:  # K/V of every token (later ones attend to it)
+        q, k, v = attn.qkv(block.ln_1(x))  # 3 × (B, nh, T, hs)
+        if caches is not None:
+            caches.append(common.KVCache(B, model.cfg.block_size, k, v))
+    idx = active(p).view(-1).nonzero().squeeze(1)  # (N,) the tokens that run block l+1
+    g = model.gate(p, "hard").view(B * T, 1)[idx]  # (N, 1)
+    xa = x.view(B * T, C)[idx]  # (N, C) the active tokens' state
+    if dense_attention:  # the paper's sparse-TSA: its residual gated by the same mask
+        xa = gated(xa, g, block.attn_delta(x).view(B * T, C)[idx])
+    else:
+        # every query slot attends, then the halted ones are dropped: SDPA keeps its shapes
+        y = attn.attend(q, k, v).view(B * T, C)[idx]  # (N, C)
+        xa = gated(xa, g, attn.c_proj(y))  # eq. (3)
+    xa = gated(xa, g, block.ffn_delta(xa))  # eq. (4), the FFN on active tokens only
+    return x.view(B * T, C).index_copy(0, idx, xa).view(B, T, C)
 
 
 # Cached decoding (common.LM.generate), the eval forward's decisions
@@ -403,7 +405,7 @@ def decode_block(model, block, cache, x, pos, mask, p):
     runs = active(p).any()
     if not torch.compiler.is_compiling():
         runs = runs.item()  # eager: decided on the host, so a skipped block is never dispatched
-    # compiled: both branches in the graph (a branch may not return its input as is: a copy)
+    # compiled: both branches in the graph (a branch may not return its input: a copy)
     return torch.cond(runs, run, lambda x: x.clone(), (x,))
 
 
@@ -428,7 +430,7 @@ def flops_per_token(cfg, T, alpha=1.0, mode="dense"):
     routed = {"soft": kv + per_query + ffn, "ffn": kv + per_query + alpha * ffn,
               "query": kv + q + alpha * (per_query - q + ffn),  # every Q: one Q/K/V matmul
               "exit": kv + alpha * (per_query + ffn)}[mode]
-    # per routed block: a router, or (exit) the exit head of the tokens still running
+    # per routed block: a router, or (exit) the exit head of the running tokens
     decide = head * (1 + (L - 2) * alpha) / (L - 1) if mode == "exit" else flops_router(d)
     return kv + per_query + ffn + (L - 1) * (routed + decide) + head
 
@@ -461,7 +463,7 @@ def load_run(run_dir):
 
 
 def main(argv):
-    """python tsa.py exit_sweep RUN_DIR: α and val loss per threshold of an early-exit run (App. D)"""
+    """python tsa.py exit_sweep RUN_DIR: α, val loss per threshold of an early-exit run (App. D)"""
     if "-h" in argv or "--help" in argv:
         return print("usage: " + main.__doc__)
     if len(argv) != 2 or argv[0] != "exit_sweep":
