@@ -14,7 +14,7 @@ import train
 
 
 def make(seed=0, dtype=torch.float64, **kw):
-    """A tiny model; with bias=True every bias is random (init zeroes them, which would hide a lost bias)."""
+    """A tiny model; with bias=True every bias is random (init zeroes them, hiding a lost one)."""
     torch.manual_seed(seed)
     base = dict(n_layer=4, n_head=4, n_embd=32, block_size=64, vocab_size=50, layers="TDDT")
     cfg = dtrnet.Config(**{**base, **kw})
@@ -165,8 +165,8 @@ def test_router_is_eq1_on_the_residual_stream():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_tie_bypasses_eq2_is_strict(bias):
-    """Eq. (2): δ = 1 only if g_attn > g_bypass. With W2 = 0 both logits are equal, so every token sits at
-    g_attn = g_bypass = 0.5 exactly: none is routed, on every path."""
+    """Eq. (2): δ = 1 only if g_attn > g_bypass. With W2 = 0 both logits are equal, so every token
+    sits at g_attn = g_bypass = 0.5 exactly: none is routed, on every path."""
     m = make(layers="TDDT", bias=bias).train()
     for b in d_blocks(m):
         b.router.w2.weight.data.zero_()
@@ -295,9 +295,9 @@ def test_training_path_equals_masked_reference_with_gradients(bias):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_padded_packing_is_the_same_function(monkeypatch, dtype):
-    """Training packs every row to T and the sparse path rounds the packed length up to a multiple of
-    PACK_MULTIPLE (the padding rows are bypassed tokens): logits and every parameter gradient equal those of
-    the exact packed length, in fp32 and under bf16 autocast."""
+    """Training packs every row to T and the sparse path rounds the packed length up to a multiple
+    of PACK_MULTIPLE (the padding rows are bypassed tokens): logits and every parameter gradient
+    equal those of the exact packed length, in fp32 and under bf16 autocast."""
     m = sharpen(make(dtype=torch.float32)).train()
     table = mixed_table(5, 48)[2:]  # rows routing ~10%, ~50%, ~90%: the largest count is not a multiple of 16
     fix_routers(m, table)
@@ -318,7 +318,8 @@ def test_padded_packing_is_the_same_function(monkeypatch, dtype):
             logits, loss, _ = m(x, x)
             sparse = m.eval()(x, sparse=True)[0].float()
         loss.backward()
-        runs.append([logits.float(), sparse] + [p.grad for p in m.parameters() if p.grad is not None])
+        grads = [p.grad for p in m.parameters() if p.grad is not None]
+        runs.append([logits.float(), sparse] + grads)
     assert lengths[0] == 48 > n_max  # training's padded batch really has padding rows
     assert runs[0] == n_max < runs[2] == 48  # so has the bucketed one
     tol = 2e-2 if dtype == "bf16" else 1e-5
@@ -444,7 +445,7 @@ def test_prefill_step_equal_full_forward_and_cache_holds_routed_tokens_only(bias
     for blk, c in zip(m.blocks, caches):
         if isinstance(blk, dtrnet.DTRBlock):
             _, _, delta = blk.route(h)
-            K, V = c.k, c.v  # (B, nh, S, hs): preallocated to block_size, so a step's shapes never change
+            K, V = c.k, c.v  # (B, nh, S, hs): preallocated to block_size (fixed step shapes)
             assert torch.equal(c.n, delta.sum(1)) and K.size(2) == m.cfg.block_size
             q, k, v = blk.attn.qkv(blk.ln_1(h))
             for b in range(B):
@@ -483,7 +484,8 @@ def test_decode_bypassed_tokens_cache_nothing():
     for c, blk in zip(state[0], m.blocks):
         if isinstance(blk, dtrnet.DTRBlock):
             assert c.n.sum() == 0  # nothing cached
-            assert torch.equal(c.visible(), torch.arange(64)[None].expand(2, 64) == 0)  # only the scratch slot
+            only_slot_0 = torch.arange(64)[None].expand(2, 64) == 0  # the scratch slot alone
+            assert torch.equal(c.visible(), only_slot_0)
     held, dense = dtrnet.kv_cache_bytes(state)
     assert held == dense // 2
 
@@ -499,13 +501,14 @@ class HashRouter(nn.Module):
 
 
 def test_eager_decode_skips_attention_of_bypassed_tokens(monkeypatch):
-    """The paper's inference rule in the eager step: at B = 1 a bypassed token runs no attention in a D layer
-    (the host decides); at B = 2 the attention runs when some row is routed, and each row takes its path."""
+    """The paper's inference rule in the eager step: at B = 1 a bypassed token runs no attention
+    in a D layer (the host decides); at B = 2 attention runs when some row is routed."""
     m = make(layers="TDDT").eval()
     calls = []
     for b in d_blocks(m):
         attend = b.attn.attend
-        monkeypatch.setattr(b.attn, "attend", lambda *a, f=attend, **k: calls.append(1) or f(*a, **k))
+        monkeypatch.setattr(b.attn, "attend",
+                            lambda *a, f=attend, **k: calls.append(1) or f(*a, **k))
     table = torch.zeros(2, 64, dtype=torch.bool)
     table[0, 6], table[1, 7] = True, True  # row 0 routes position 6, row 1 position 7
     routers = fix_routers(m, table)
@@ -520,7 +523,7 @@ def test_eager_decode_skips_attention_of_bypassed_tokens(monkeypatch):
                 r.offset = t
             calls.clear()
             m.step(x[rows, t:t + 1], state)
-            seen.append(len(calls))  # D-layer attention calls (the T layers' go through common.Block.step)
+            seen.append(len(calls))  # D-layer attention calls (T layers run common.Block.step)
         assert seen == want
 
 
@@ -673,7 +676,8 @@ def test_eval_stats_contract():
     assert torch.equal(st["soft_loss"], st["lm_loss"])  # the training computation is the same hard routing
     d = 32  # by hand: T layers dense; D layers router + V + W_O + MLP, and Q, K + scores for the routed share
     dense_layer = 2 * 4 * d * d + 4 * d * (T + 1) / 2 + 2 * 2 * d * 4 * d
-    d_layer = 2 * (d * d // 2 + d) + 2 * d * d * (1 + 2 * rho) + 2 * d * d + 16 * d * d + rho * 4 * d * rho * (T + 1) / 2
+    d_layer = 2 * (d * d // 2 + d) + 2 * d * d * (1 + 2 * rho) + 2 * d * d + 16 * d * d \
+        + rho * 4 * d * rho * (T + 1) / 2
     head = 2 * d * 50
     want = 1 - (2 * dense_layer + 2 * d_layer + head) / (4 * dense_layer + head)
     assert st["flops_saved_hard"].item() == pytest.approx(want.item())
@@ -706,8 +710,9 @@ def test_flops_accounting():
 
 
 def test_flops_saved_at_known_shares_per_layer_and_batch():
-    """Two D layers routing different shares, rows routing different counts (B = 4): frac_l is the share of
-    the batch's B·T tokens in that layer, flops_saved_hard = 1 − flops_ratio at those shares, by hand."""
+    """Two D layers routing different shares, rows routing different counts (B = 4): frac_l is the
+    share of the batch's B·T tokens in that layer; flops_saved_hard = 1 − flops_ratio at those
+    shares, by hand."""
     m = make(layers="TDDT").eval()
     B, T = 4, 40
     t1 = torch.zeros(B, 64, dtype=torch.bool)
@@ -719,18 +724,21 @@ def test_flops_saved_at_known_shares_per_layer_and_batch():
     for sparse in (False, True):
         st = m(x, sparse=sparse)[2]
         assert st["frac_l1"].item() == 50 / 160 and st["frac_l2"].item() == 40 / 160
-        assert st["skip_l1"].item() == 110 / 160 and st["frac_attn"].item() == pytest.approx(45 / 160)
+        assert st["skip_l1"].item() == 110 / 160
+        assert st["frac_attn"].item() == pytest.approx(45 / 160)
         want = 1 - dtrnet.flops_ratio(m.cfg, T, [50 / 160, 40 / 160])
         assert st["flops_saved_hard"].item() == pytest.approx(want, rel=1e-6)
-    d, r = 32, [50 / 160, 40 / 160]  # by hand: T layers dense; D layers pay router, V, W_O, MLP, and Q, K
-    dense = 2 * 4 * d * d + 4 * d * (T + 1) / 2 + 2 * 2 * d * 4 * d  # and the scores for the routed share
-    dlay = [2 * (d * d // 2 + d) + 2 * d * d * (1 + 2 * p) + 2 * d * d + 16 * d * d + p * 4 * d * p * (T + 1) / 2
-            for p in r]
-    assert want == pytest.approx(1 - (2 * dense + sum(dlay) + 2 * d * 50) / (4 * dense + 2 * d * 50))
+    # by hand: T layers dense; D layers pay router, V, W_O, MLP, and Q, K and the scores for the
+    # routed share
+    d, r, head = 32, [50 / 160, 40 / 160], 2 * 32 * 50
+    dense = 2 * 4 * d * d + 4 * d * (T + 1) / 2 + 2 * 2 * d * 4 * d
+    dlay = [2 * (d * d // 2 + d) + 2 * d * d * (1 + 2 * p) + 2 * d * d + 16 * d * d
+            + p * 4 * d * p * (T + 1) / 2 for p in r]
+    assert want == pytest.approx(1 - (2 * dense + sum(dlay) + head) / (4 * dense + head))
 
 
 def test_kv_cache_bytes_at_known_routed_counts():
-    """B = 3 rows routing 0, all, and every third token: after prefill and steps, a D layer holds exactly
+    """B = 3 rows routing 0, all, and every third token: after prefill and steps, a D layer holds
     the routed tokens of each row, T layers block_size slots per row (float64: 8 bytes)."""
     m = make(layers="TDDT").eval()
     B, S, T0, T = 3, 64, 9, 21
@@ -767,9 +775,10 @@ def test_cli_smoke(data_dir, tmp_path):
 
 
 def test_module_cli_help_and_refusal(monkeypatch, capsys):
-    """`python dtrnet.py --help` says what the file offers; anything else is one error line and exit 2."""
+    """`python dtrnet.py --help` says what it offers; anything else: one error line, exit 2."""
     import runpy
-    for args, rc in ((["--help"], 0), (["-h"], 0), (["foo"], 2), (["--help", "x"], 2), (["--compile"], 2)):
+    cases = ((["--help"], 0), (["-h"], 0), (["foo"], 2), (["--help", "x"], 2), (["--compile"], 2))
+    for args, rc in cases:
         monkeypatch.setattr("sys.argv", ["dtrnet.py", *args])
         try:
             runpy.run_path(dtrnet.__file__, run_name="__main__")
