@@ -363,7 +363,11 @@ class Model(common.LM):
         routes = {}
         if self.routed:
             y, probs, hard = self.route(x)  # (B, T, nR, 2)
-            plans = sparse_plan(hard) if sparse else [None] * len(self.routed)
+            plans = [None] * len(self.routed)
+            if sparse:
+                order, dump, sizes = sparse_plan(hard)
+                sizes = sizes.tolist()  # graph break: the read counts set the gathered shapes
+                plans = [(order[..., r], dump[..., r], *n) for r, n in enumerate(sizes)]
             routes = {i: (y[:, :, r], plans[r]) for r, i in enumerate(self.routed)}
         for i, layer in enumerate(self.blocks[1:], start=1):
             x = layer(x, cs[i], *routes.get(i, ()))
@@ -436,19 +440,19 @@ def balance_loss(probs, hard):
 # Sparse inference: a routed layer runs each read only on the tokens routed to it
 
 def sparse_plan(hard):
-    """hard (B, T, nR, 2) -> per routed layer (order, dump, n_gdn, n_soft). order (B, T): a row's
+    """hard (B, T, nR, 2) -> order, dump (B, T, nR), sizes (nR, 2): [n_gdn, n_soft]. order: a row's
     GDN tokens, then its softmax ones; GDN reads take slots [0, n_gdn), softmax reads
     [T − n_soft, T), a row with fewer of a kind filling them with the other kind's (dump: to T)."""
     T = hard.size(1)
     kind, order = hard[..., 1].sort(dim=1, stable=True)  # (B, T, nR): GDN first
     n_soft = kind.sum(1).long()  # (B, nR)
-    sizes = torch.stack([T - n_soft.amin(0), n_soft.amax(0)], 1).tolist()  # (nR, 2): on the host
     dump = order.masked_fill(kind < 0.5, T)
-    return [(order[..., r], dump[..., r], n_gdn, n) for r, (n_gdn, n) in enumerate(sizes)]
+    return order, dump, torch.stack([T - n_soft.amin(0), n_soft.amax(0)], 1)
 
 
 def sparse_mix(gdn, attn, h, plan, cache=None):
-    """Normed h (B, T, C) -> a routed layer's mixer output (B, T, C), each read on its tokens."""
+    """Normed h (B, T, C) -> a routed layer's mixer output (B, T, C), each read on its tokens;
+    plan: (order, dump, n_gdn, n_soft) of sparse_plan."""
     order, dump, n_gdn, n_soft = plan
     B, T, C = h.shape
     hs = h.gather(1, order[..., None].expand(-1, -1, C))  # (B, T, C) GDN first

@@ -662,8 +662,8 @@ def test_cli_smoke(data_dir, tmp_path):
 @pytest.mark.parametrize("B", [1, 2])
 def test_compiled_decode_step_has_fixed_shapes(B):
     """torch.compile(model.step) decodes greedily token for token like eager in one graph that no token
-    recompiles (both reads run, torch.where picks per row: no host decision inside), and on random tokens, which
-    take both reads, its logits equal the eager step's (which at B=1 runs one read, chosen on the host)."""
+    recompiles (B=1: torch.cond picks the read inside the graph; B=2: both reads, torch.where per row), and
+    on random tokens, which take both reads, its logits equal the eager step's (B=1: the host picks)."""
     from conftest import compiled_decode_matches
     torch.manual_seed(0)
     m = H.Model(tiny(block_size=32)).eval()
