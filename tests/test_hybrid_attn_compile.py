@@ -1,7 +1,7 @@
-"""Graph counts of hybrid_attn's compiled paths on CPU (counting backends, dynamo only): the training
-step and the eval forward in one graph, the sparse forward with one named break (the read counts go to
-the host), the decode step in one graph at B=1 and B=4 that 64 steps of mixed routing do not
-recompile; each compiled path computes what the eager one does."""
+"""Graph counts of hybrid_attn's compiled paths on CPU (counting backends, dynamo only): the
+training step and the eval forward in one graph, the sparse forward with one named break (the read
+counts go to the host), the decode step in one graph at B=1 and B=4 that 64 steps of mixed routing
+do not recompile; each compiled path computes what the eager one does."""
 import pytest
 import torch
 import torch._dynamo as dynamo
@@ -47,7 +47,8 @@ def test_training_step_is_one_graph():
         out.append((loss.detach(), m.router.weight.grad.clone(), stats["tau"]))
     assert cnt.frame_count == 1
     for (l1, g1, tau1), (l2, g2, tau2) in (out[:2], out[2:]):
-        assert tau1 == tau2 and torch.allclose(l1, l2, atol=1e-6) and torch.allclose(g1, g2, atol=1e-6)
+        assert tau1 == tau2 and torch.allclose(l1, l2, atol=1e-6)
+        assert torch.allclose(g1, g2, atol=1e-6)
     assert out[0][2] != out[2][2]  # τ moved
 
 
