@@ -6,23 +6,23 @@ Networks: Improving Mamba2 with Delta Rule", ICLR 2025, arXiv:2412.06464) in pla
 Layers follow a pattern: G = Gated DeltaNet, S = softmax attention, R = routed (holds both; a router
 picks one per token). Paper §2.1: `G R R S`. Every layer is pre-norm mixer + pre-norm MLP.
 
-Routing (§2.2, parallel): one router reads layer 0's output h₀ and gives 2-way logits z_l for every
-routed layer l at once; a routed layer outputs y_G·GDN(x) + y_S·Attn(x), with
-    train: y = onehot(argmax(z + γ)) − sg(p_τ) + p_τ,  p_τ = softmax((z + γ)/τ),  γ ~ Gumbel(0, 1)
-    eval:  y = onehot(argmax z)   (a tie goes to GDN, argmax's first index)
-Balance (§2.2, the Switch Transformer's loss), N = 2 mixers, α = 0.01:
-    L_balance = N·Σ_i f_i·P_i   (1 balanced, 2 collapsed; f_i: the fraction of tokens sent to
-    mixer i, P_i: the mean router probability);   loss = L_lm + α·mean_l L_balance
 Gated delta rule (Yang et al.; per head, S ∈ R^{K×V}, g_t ≤ 0 the log decay, β_t ∈ (0, 1)):
     S_t = e^{g_t}·S_{t−1};   u_t = β_t·(v_t − S_tᵀ k_t);   S_t ← S_t + k_t u_tᵀ;   o_t = S_tᵀ q_t
-GDN layer: q, k, v = SiLU(causal depthwise conv₄(W_{q,k,v} x)); q, k L2-normalised, q scaled by
-    K^−½;  β = σ(W_b x);  g = −exp(A_log)·softplus(W_a x + dt_bias);
-    y = W_o(RMSNorm_head(o) ⊙ SiLU(W_g x))
 Chunkwise form (the WY / UT transform; chunks of C tokens, S₀ the state entering one,
 L_ij = Σ_{j<s≤i} g_s, Γ_i = Σ_{s≤i} g_s the decay since the chunk's start):
     (I + A) [W U₀] = [diag(β e^Γ) K, diag(β) V],   A_ij = β_i e^{L_ij} k_i·k_j  (i > j)
     O = (diag(e^Γ) Q − (QKᵀ ⊙ M) W) S₀ + (QKᵀ ⊙ M) U₀,   M_ij = e^{L_ij} (i ≥ j), 0 above
     next S₀ = P S₀ + R,   P = e^{Γ_C} I − Kᵀ diag(e^{L_{C,·}}) W,   R = Kᵀ diag(e^{L_{C,·}}) U₀
+GDN layer: q, k, v = SiLU(causal depthwise conv₄(W_{q,k,v} x)); q, k L2-normalised, q scaled by
+    K^−½;  β = σ(W_b x);  g = −exp(A_log)·softplus(W_a x + dt_bias);
+    y = W_o(RMSNorm_head(o) ⊙ SiLU(W_g x))
+Routing (§2.2, parallel): a routed layer outputs y_G·GDN(x) + y_S·Attn(x); one router reads layer
+0's output h₀ and gives 2-way logits z_l for every routed layer l at once:
+    train: y = onehot(argmax(z + γ)) − sg(p_τ) + p_τ,  p_τ = softmax((z + γ)/τ),  γ ~ Gumbel(0, 1)
+    eval:  y = onehot(argmax z)   (a tie goes to GDN, argmax's first index)
+Balance (§2.2, the Switch Transformer's loss), N = 2 mixers, α = 0.01:
+    L_balance = N·Σ_i f_i·P_i   (1 balanced, 2 collapsed; f_i: the fraction of tokens sent to
+    mixer i, P_i: the mean router probability);   loss = L_lm + α·mean_l L_balance
 The state math runs in fp32 with autocast off; on CUDA, fla's Triton kernels when installed
 (pip install fla-core). Sparse inference (sparse=True, prefill, step): every token of a routed layer
 writes the GDN state and the softmax K/V; a GDN token then reads through RMSNorm, W_g and W_o, a
@@ -363,7 +363,11 @@ class Model(common.LM):
         routes = {}
         if self.routed:
             y, probs, hard = self.route(x)  # (B, T, nR, 2)
-            plans = sparse_plan(hard) if sparse else [None] * len(self.routed)
+            plans = [None] * len(self.routed)
+            if sparse:
+                order, dump, sizes = sparse_plan(hard)
+                sizes = sizes.tolist()  # graph break: the read counts set the gathered shapes
+                plans = [(order[..., r], dump[..., r], *n) for r, n in enumerate(sizes)]
             routes = {i: (y[:, :, r], plans[r]) for r, i in enumerate(self.routed)}
         for i, layer in enumerate(self.blocks[1:], start=1):
             x = layer(x, cs[i], *routes.get(i, ()))
@@ -436,19 +440,19 @@ def balance_loss(probs, hard):
 # Sparse inference: a routed layer runs each read only on the tokens routed to it
 
 def sparse_plan(hard):
-    """hard (B, T, nR, 2) -> per routed layer (order, dump, n_gdn, n_soft). order (B, T): a row's
+    """hard (B, T, nR, 2) -> order, dump (B, T, nR), sizes (nR, 2): [n_gdn, n_soft]. order: a row's
     GDN tokens, then its softmax ones; GDN reads take slots [0, n_gdn), softmax reads
     [T − n_soft, T), a row with fewer of a kind filling them with the other kind's (dump: to T)."""
     T = hard.size(1)
     kind, order = hard[..., 1].sort(dim=1, stable=True)  # (B, T, nR): GDN first
     n_soft = kind.sum(1).long()  # (B, nR)
-    sizes = torch.stack([T - n_soft.amin(0), n_soft.amax(0)], 1).tolist()  # (nR, 2): on the host
     dump = order.masked_fill(kind < 0.5, T)
-    return [(order[..., r], dump[..., r], n_gdn, n) for r, (n_gdn, n) in enumerate(sizes)]
+    return order, dump, torch.stack([T - n_soft.amin(0), n_soft.amax(0)], 1)
 
 
 def sparse_mix(gdn, attn, h, plan, cache=None):
-    """Normed h (B, T, C) -> a routed layer's mixer output (B, T, C), each read on its tokens."""
+    """Normed h (B, T, C) -> a routed layer's mixer output (B, T, C), each read on its tokens;
+    plan: (order, dump, n_gdn, n_soft) of sparse_plan."""
     order, dump, n_gdn, n_soft = plan
     B, T, C = h.shape
     hs = h.gather(1, order[..., None].expand(-1, -1, C))  # (B, T, C) GDN first

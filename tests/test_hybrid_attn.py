@@ -417,8 +417,8 @@ def test_routing_map():
 # ---------------------------------------------------------------- the model contract on the device matrix
 
 def model_on(dev, seed=0, **kw):
-    """A tiny model on dev with O(1) logits (so dev.tol() is tight relative to them), router margins and
-    (bias=True) nonzero biases."""
+    """A tiny model on dev with O(1) logits (so dev.tol() is tight relative to them), router margins
+    and (bias=True) nonzero biases."""
     torch.manual_seed(seed)
     m = H.Model(tiny(**kw)).to(dev.device)
     with torch.no_grad():
@@ -480,9 +480,9 @@ def test_sparse_really_skips_and_equals_dense_forced(monkeypatch):
 
 @pytest.mark.parametrize("B", [1, 2])
 def test_a_tie_goes_to_gdn_in_every_path(monkeypatch, B):
-    """eval: y = onehot(argmax z), argmax's first index: at z_G = z_S exactly every token reads through GDN,
-    in the forward, the sparse forward, the decode step (B=1: one read chosen on the host; B=2: per row)
-    and the training forward (Gumbel noise 0)."""
+    """eval: y = onehot(argmax z), argmax's first index: at z_G = z_S exactly every token reads
+    through GDN, in the forward, the sparse forward, the decode step (B=1: one read chosen on the
+    host; B=2: per row) and the training forward (Gumbel noise 0)."""
     from conftest import decoded_vs_full
     torch.manual_seed(0)
     m = H.Model(tiny(bias=True)).eval()
@@ -502,9 +502,9 @@ def test_a_tie_goes_to_gdn_in_every_path(monkeypatch, B):
 
 
 def test_flops_saved_at_known_shares_and_B_gt_1():
-    """flops_saved_hard = 1 − FLOPs(sparse at the measured softmax shares) / dense GPT, where a share
-    counts every row of the batch: forced rows of 0, 8, 16, 24 softmax tokens in layer 1 (0.375), one
-    row of 32 in layer 2 (0.25)."""
+    """flops_saved_hard = 1 − FLOPs(sparse at the measured softmax shares) / dense GPT, where a
+    share counts every row of the batch: forced rows of 0, 8, 16, 24 softmax tokens in layer 1
+    (0.375), one row of 32 in layer 2 (0.25)."""
     torch.manual_seed(0)
     m = H.Model(tiny()).eval()
     forced = torch.zeros(4, 32, 2, dtype=torch.bool)
@@ -519,7 +519,7 @@ def test_flops_saved_at_known_shares_and_B_gt_1():
     dense = common.dense_flops_per_token(cfg, 32)
     want = 1 - H.flops_per_token(cfg, 32, [0.375, 0.25], sparse=True) / dense
     assert st["flops_saved_hard"].item() == pytest.approx(want, abs=1e-6)
-    # the same from the parts: every softmax read instead of a GDN read adds Q, scores and W_o − W_g, W_o
+    # the same from the parts: a softmax read instead of a GDN read adds Q, scores, W_o − W_g, W_o
     _, read = H.flops_gdn(cfg)
     query = 2 * d * d + common.flops_attn_scores(d, common.mean_context(32)) + 2 * d * d
     all_gdn = H.flops_per_token(cfg, 32, 0.0, sparse=True)
@@ -547,8 +547,9 @@ def test_causality(dev, mode):
     assert not close(outs[0][:, 20:], outs[1][:, 20:], dev)  # the future does change the future
 
 
-@pytest.mark.parametrize("pattern,bias", [("G R R S", False), ("G G G S", False), ("S S S S", False),
-                                          ("S R G R", False), ("G R R S", True), ("S R G R", True)])
+@pytest.mark.parametrize("pattern,bias", [("G R R S", False), ("G G G S", False),
+                                          ("S S S S", False), ("S R G R", False),
+                                          ("G R R S", True), ("S R G R", True)])
 def test_cached_decoding_equals_full_forward(dev, pattern, bias):
     """prefill + step == the full forward at every position. Low precision: decisions are forced (the same
     in both paths), because a router logit at the threshold may legitimately flip between bf16 paths."""
@@ -662,8 +663,9 @@ def test_cli_smoke(data_dir, tmp_path):
 @pytest.mark.parametrize("B", [1, 2])
 def test_compiled_decode_step_has_fixed_shapes(B):
     """torch.compile(model.step) decodes greedily token for token like eager in one graph that no token
-    recompiles (both reads run, torch.where picks per row: no host decision inside), and on random tokens, which
-    take both reads, its logits equal the eager step's (which at B=1 runs one read, chosen on the host)."""
+    recompiles (B=1: torch.cond picks the read inside the graph; B=2: both reads, torch.where per
+    row), and on random tokens, which take both reads, its logits equal the eager step's (B=1: the
+    host picks)."""
     from conftest import compiled_decode_matches
     torch.manual_seed(0)
     m = H.Model(tiny(block_size=32)).eval()
