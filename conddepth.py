@@ -227,7 +227,10 @@ class Model(common.LM):
         for block in self.blocks[:self.cfg.n_layer - self.cfg.n_controlled]:
             x = block(x)
         topk = self.training or self.mode == "topk"  # training: always the top-k
-        h, r = self.controlled(x, topk, sparse, targets is not None)
+        if sparse:
+            h, r = sparse_controlled(self, x, topk, targets is not None)
+        else:
+            h, r = self.controlled(x, topk, False, targets is not None)
         logits, lm_loss = self.head(h, targets)
         self.last_masks = r["m"]  # per layer (B, T)
         if lm_loss is None:
@@ -445,11 +448,18 @@ def oracle_labels(model, x, targets):
 
 # Sparse inference: each token runs its own FFN only
 
+# compiled: the full tokens' count is traced as a symbol, so the sparse layers are one graph
+@torch._dynamo.config.patch(capture_scalar_outputs=True)
+def sparse_controlled(model, x, topk, losses):
+    """Model.controlled with each token running its own FFN only (sparse_ffn)."""
+    return model.controlled(x, topk, True, losses)
+
+
 def sparse_ffn(block, cheap, a, m):
     """Eq. (4) on a (B, T, d) under m (B, T): the full FFN on m's tokens, the cheap on the rest."""
     x, m = a.reshape(-1, a.size(-1)), m.reshape(-1)  # (N, d), (N,)
     order = torch.argsort(m.byte(), descending=True, stable=True)  # (N,): full tokens first
-    n = int(m.sum())  # graph break: the full tokens' count sets the gathered shapes
+    n = int(m.sum())  # the full tokens' count sets the gathered shapes
     out = torch.empty_like(x)
     for i, ffn in ((order[:n], block.ffn_delta), (order[n:], cheap)):  # eqs. (2), (3)
         out[i] = x[i] + ffn(x[i])  # (n, d), (N − n, d)

@@ -202,7 +202,7 @@ class DTRBlock(common.Block):
         if not packed:
             a, kv = self.attend_masked(h, v, delta), None
         else:  # training pads every row to T: a shape the compiler sees, no host sync
-            R = x.size(1) if self.training else pack_length(delta)  # graph break: a host read
+            R = x.size(1) if self.training else pack_length(delta)  # read on the host (sparse_trunk)
             a, kv = self.attend_packed(h, v, delta, R)
         x = self.mix(x, a, h, v, delta, torch.where(delta, g_attn, g_bypass))
         return x + self.ffn_delta(x), g_attn, delta, kv
@@ -259,7 +259,8 @@ class Model(common.LM):
     def forward(self, idx, targets=None, sparse=False):
         if sparse and self.training:
             raise NanorouteError("sparse=True is an inference path: call model.eval() first")
-        x, routes = self.trunk(self.embed(idx), packed=self.training or sparse)  # (B, T, C)
+        x = self.embed(idx)  # (B, T, C)
+        x, routes = sparse_trunk(self, x) if sparse else self.trunk(x, packed=self.training)
         logits, lm_loss = self.head(x, targets)
         stats, rl, T = {}, 0.0, idx.size(1)
         if routes:
@@ -342,6 +343,13 @@ def routing_loss(g_means, fracs):
 # Sparse inference: the packed length
 
 PACK_MULTIPLE = 64
+
+
+# compiled: the packed length is traced as a symbol, so the sparse trunk is one graph
+@torch._dynamo.config.patch(capture_scalar_outputs=True)
+def sparse_trunk(model, x):
+    """Model.trunk with every D layer attending among its routed tokens only (packed)."""
+    return model.trunk(x, packed=True)
 
 
 def pack_length(delta):
