@@ -166,6 +166,8 @@ def prepare(name, data_dir=DATA_DIR, url=None):
         raise NanorouteError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     d = os.path.join(data_dir, name)
     meta_path = os.path.join(d, "meta.json")
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise NanorouteError(f"--data_dir {data_dir} is a file, not a directory")
     if os.path.exists(meta_path):
         meta = load_meta(name, data_dir)
         for split in (k[:-len("_tokens")] for k in meta if k.endswith("_tokens")):
@@ -229,7 +231,11 @@ def prepare(name, data_dir=DATA_DIR, url=None):
 
 def bpe():
     import tiktoken
-    return tiktoken.get_encoding("r50k_base")  # the GPT-2 vocabulary (same ids as "gpt2")
+    try:
+        return tiktoken.get_encoding("r50k_base")  # the GPT-2 vocabulary (same ids as "gpt2")
+    except (OSError, ValueError) as e:  # tiktoken downloads it once, into TIKTOKEN_CACHE_DIR
+        raise NanorouteError(f"the GPT-2 BPE vocabulary could not be loaded ({type(e).__name__}): connect once, or "
+                             "set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's r50k_base file")
 
 
 def load_meta(name, data_dir=DATA_DIR):

@@ -201,8 +201,11 @@ def check_fits(cfg, meta, module, device):
     act = 4 * (16 * B * T * C * cfg.n_layer + 2 * B * cfg.n_head * T * T + 3 * B * T * cfg.vocab_size)
     params = 12 * cfg.n_layer * C * C + cfg.vocab_size * C  # a GPT's, a lower bound: no need to build a huge one
     if limit and 16 * params + act <= limit:
-        with torch.device("meta"):  # every tensor of this very model, without allocating it
-            params = sum(t.numel() for t in build(module, cfg).state_dict().values())
+        try:  # every tensor of this very model, without allocating it; a size it cannot take is refused here
+            with torch.device("meta"):
+                params = sum(t.numel() for t in build(module, cfg).state_dict().values())
+        except (RuntimeError, ValueError, ZeroDivisionError) as e:
+            raise NanorouteError(f"--model {cfg.model} cannot be built with these sizes: {str(e).splitlines()[0]}")
     need = 16 * params + act  # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter
     if limit and need > limit:
         raise NanorouteError(f"this run would need ~{need / 2 ** 30:,.1f} GiB to train ({params / 1e6:,.1f}M "

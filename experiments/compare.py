@@ -342,22 +342,19 @@ def train_run(out_dir, flags, after=None, dry=False):
     return path
 
 
-class Parser(argparse.ArgumentParser):
+def parser(doc):
     """argparse with the script's docstring as its --help, and a bad value as one `error:` line, exit 2."""
-
-    def __init__(self, doc):
-        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)
+    return p
 
 
-def csv(cast=str, choices=()):
-    """An argparse type: 'a,b' -> [cast(a), cast(b)], each one of choices when given."""
+def csv(cast=str, choices=(), keep=False):
+    """An argparse type: 'a,b' -> [cast(a), cast(b)], each one of choices if given; keep: the texts, checked by
+    cast (numbers that name run dirs: '0.70' stays '0.70')."""
     def parse(text):
         try:
-            items = [cast(x) for x in text.split(",")]
+            items = [(cast(x), x)[keep] for x in text.split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {cast.__name__}s, got {text!r}")
         bad = [str(x) for x in items if choices and x not in choices]
@@ -365,12 +362,6 @@ def csv(cast=str, choices=()):
             raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)}")
         return items
     return parse
-
-
-def number(text):
-    """A number kept as written (it names run dirs): '0.70' stays '0.70'."""
-    float(text)
-    return text
 
 
 def entry(main, *args):
@@ -404,7 +395,7 @@ def finished(root, hint):
 
 
 def study_cli(doc, commands, out, argv=None):
-    p = Parser(doc)
+    p = parser(doc)
     p.add_argument("cmd", choices=list(commands))
     p.add_argument("--out", default=out, help="the runs' folder")
     p.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
@@ -418,7 +409,7 @@ def evals(run):
 
 
 def main(argv=None):
-    p = Parser(__doc__)
+    p = parser(__doc__)
     p.add_argument("--budget", default="cpu", choices=BUDGETS, help="tokens per run: cpu 4.9M, gpu 12.3M, 600it 1.2M")
     p.add_argument("--jobs", type=int, default=1, help="training processes at a time (CPU: one per core with "
                    "OMP_NUM_THREADS=1; one H100 ran 6)")

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from compare import ROOT, Parser, entry  # first: it puts the model files ahead of this folder on sys.path
+from compare import ROOT, entry, parser  # first: it puts the model files ahead of this folder on sys.path
 import bench
 import common
 import train
@@ -63,7 +63,7 @@ def speed(name, device, dtype, repeats):
 
 
 def main(argv=None):
-    p = Parser(__doc__)
+    p = parser(__doc__)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(common.DTYPES))
     p.add_argument("--repeats", type=int, default=5)

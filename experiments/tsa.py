@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tsa.py, not this script
 import compare  # noqa: E402
-from compare import ROOT, csv, evals, md_table, number, train_run  # noqa: E402
+from compare import ROOT, csv, evals, md_table, train_run  # noqa: E402
 
 SOFT = "--hard_ft_iters=0"  # the soft-only recipe (the paper's): these studies predate the default ST phase
 SMALL = ("--dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --block_size=128 --batch_size=16 "
@@ -440,7 +440,7 @@ COMMANDS = {"study": study, "budget": budget, "table": table, "eval": evaluate, 
 
 
 def main(argv=None):
-    p = compare.Parser(__doc__)
+    p = compare.parser(__doc__)
     p.add_argument("cmd", choices=list(COMMANDS))
     p.add_argument("paths", nargs="*", help="table: the records file; eval: run dirs; *-table: the runs' dir")
     p.add_argument("--out", help="where the runs go (eval: the records file); default out/tsa, out/tsa_budget, "
@@ -451,10 +451,10 @@ def main(argv=None):
     p.add_argument("--model", choices=["gpt", "tsa"], default="gpt", help="grid")
     p.add_argument("--branches", type=csv(str, ("calibrate", "soft", "train", "frozen")),
                    default=["calibrate", "soft", "train", "frozen"], help="proxy")
-    p.add_argument("--shares", type=csv(number), default="0.87,0.73,0.7,0.6,0.4,0.25".split(","),
+    p.add_argument("--shares", type=csv(float, keep=True), default="0.87,0.73,0.7,0.6,0.4,0.25".split(","),
                    help="curve: exec_share values (TLOps saved, measured: 8.6-40.4%%)")
-    p.add_argument("--dropouts", type=csv(number), default=["0.0", "0.1", "0.2"], help="grid")
-    p.add_argument("--lrs", type=csv(number), default=["3e-4", "1e-3"], help="grid")
+    p.add_argument("--dropouts", type=csv(float, keep=True), default=["0.0", "0.1", "0.2"], help="grid")
+    p.add_argument("--lrs", type=csv(float, keep=True), default=["3e-4", "1e-3"], help="grid")
     p.add_argument("--eval_iters", type=int, default=30, help="eval")
     p.add_argument("--eval_seed", type=int, help="eval: another seed's fixed val batches (default the run's)")
     p.add_argument("--png", help="curve-table: also draw the curve into this PNG (needs matplotlib)")
