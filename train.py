@@ -72,9 +72,9 @@ def parse_value(name, typ, text):
     raise NanorouteError(f"--{name} expects {typ.__name__}, got {text!r}")
 
 
-def split_flags(argv):
-    """['--a=1', '--b', '2', '--c'] -> {'a': '1', 'b': '2', 'c': None}; a stray word, an empty value or a flag
-    given twice is a one-line error."""
+def split_flags(argv, may_be_empty=()):
+    """['--a=1', '--b', '2', '--c'] -> {'a': '1', 'b': '2', 'c': None}; a stray word, an empty value (but for the
+    flags in may_be_empty) or a flag given twice is a one-line error."""
     flags, i = {}, 0
     while i < len(argv):
         arg = argv[i]
@@ -87,7 +87,7 @@ def split_flags(argv):
             i += has_value
         if key in flags:
             raise NanorouteError(f"--{key} is given twice; give each flag once")
-        if val is not None and not val.strip():
+        if val == "" and key not in may_be_empty:
             raise NanorouteError(f"--{key} has an empty value; give a value or leave the flag out")
         flags[key] = val
         i += 1
@@ -623,7 +623,7 @@ SAMPLE_FLAGS = {  # name: (default, one line of help); a flag's type is its defa
 
 def sample_run(argv):
     opts = {k: v for k, (v, _) in SAMPLE_FLAGS.items()}
-    given = split_flags(argv)
+    given = split_flags(argv, may_be_empty=("prompt",))  # --prompt "": a newline, as nanoGPT's sample.py
     for key, val in given.items():
         if key not in SAMPLE_FLAGS:
             raise NanorouteError(f"unknown option --{key} with --sample; valid: --{', --'.join(SAMPLE_FLAGS)}")
@@ -659,7 +659,7 @@ def sample_run(argv):
             opts["num_tokens"] = common.TASK_LEN + 1
         print(f"no --prompt: completing the first held-out record's source {common.decode(meta, ids)!r}")
     else:
-        ids = encode_prompt(meta, opts["prompt"])
+        ids = encode_prompt(meta, opts["prompt"] or "\n")
     if not ids:
         raise NanorouteError(f"--prompt is empty; a {cfg.dataset} prompt needs at least one token (e.g. '[BOS] 3 1')")
     idx = torch.tensor(ids[-cfg.block_size:], dtype=torch.long, device=device)[None]  # (1, T0)
@@ -730,11 +730,14 @@ def main(argv=None):
     except KeyboardInterrupt:  # Ctrl-C: checkpoints are atomic, so the last one is whole
         if master:
             print(resume_line(argv, cfg) if cfg is not None else "interrupted", file=sys.stderr)
-        sys.exit(130)
+        raise  # a caller in this process (a test, a script) stops too; the command line exits 130 below
     if master:
         print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # main said how to resume; 130 = 128 + SIGINT, the shell's code for Ctrl-C
+        sys.exit(130)

@@ -316,9 +316,9 @@ def section(budget, records, rec_dir):
 # shared by the other experiment scripts (tsa, dtrnet, conddepth, hybrid)
 
 def train_run(out_dir, flags, after=None, dry=False):
-    """python train.py FLAGS --out_dir=OUT_DIR (output to OUT_DIR.log), then after(out_dir), then a `done` file.
-    A run whose `done` exists is skipped, one whose checkpoint reached its max_iters is not trained again, one
-    with a checkpoint resumes and one without starts over, so rerunning a study continues where it stopped."""
+    """python train.py FLAGS --out_dir=OUT_DIR (output to OUT_DIR.log), then after(out_dir), then a `done` file. A run
+    with `done` is skipped, one trained to its max_iters not retrained, one with a checkpoint resumed, else started
+    over: rerunning a study continues where it stopped. dry: print only."""
     path = os.path.join(ROOT, out_dir)
     if os.path.exists(os.path.join(path, "done")):
         print(f"skip {out_dir}")
@@ -365,18 +365,17 @@ def csv(cast=str, choices=(), keep=False):
 
 
 def entry(main, *args):
-    """Run a script's command: a NanorouteError, a missing or broken input file or a failed train.py run is one
-    `error:` line and exit 2, not a traceback."""
+    """Run a script's command: a NanorouteError, a missing or broken input or a failed train.py run is one `error:`
+    line and exit 2, not a traceback."""
     from common import NanorouteError  # here: --help and argparse's errors need no torch
     try:
         return main(*args)
     except (NanorouteError, OSError, ValueError, subprocess.CalledProcessError) as e:
         if isinstance(e, subprocess.CalledProcessError):
-            e = f"{shlex.join(e.cmd[1:])} failed (exit {e.returncode}); its output is in the run's .log"
+            e = f"{shlex.join(e.cmd[1:])} failed (exit {e.returncode}); see the run's .log"
         elif isinstance(e, OSError) and e.filename:
             e = f"{e.filename}: {e.strerror}"
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
 
 
 def refusal(message):
