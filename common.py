@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 import zipfile
 from contextlib import nullcontext
@@ -35,36 +36,36 @@ class NanorouteError(Exception):
 @dataclass
 class Config:
     # model
-    vocab_size: int = 65
-    block_size: int = 128
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 192
-    dropout: float = 0.0
-    bias: bool = False
+    vocab_size: int = 65       # set from the dataset (its meta.json); a flag value is replaced
+    block_size: int = 128      # context length in tokens (copy/sort: set to their record length)
+    n_layer: int = 6           # transformer blocks
+    n_head: int = 6            # attention heads (must divide n_embd)
+    n_embd: int = 192          # width of the residual stream
+    dropout: float = 0.0       # dropout on attention, FFN and embeddings while training
+    bias: bool = False         # biases in Linear layers and LayerNorms
     gelu: str = "none"         # the FFN's GELU: "none" (exact) or "tanh" (GPT-2's approximation)
     # training
-    max_iters: int = 2250
-    batch_size: int = 16
-    learning_rate: float = 2e-3
-    min_lr: float = 1e-4
-    warmup_iters: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0
-    eval_interval: int = 750
-    eval_iters: int = 40
-    log_interval: int = 50
-    seed: int = 1337
+    max_iters: int = 2250      # optimizer steps in all (the last one is evaluated and checkpointed)
+    batch_size: int = 16       # sequences per step (per process under torchrun)
+    learning_rate: float = 2e-3  # peak lr, after the warm-up
+    min_lr: float = 1e-4       # the cosine schedule ends here at max_iters
+    warmup_iters: int = 100    # linear lr warm-up steps
+    weight_decay: float = 0.1  # AdamW's, on matrices only
+    beta1: float = 0.9         # AdamW's β1
+    beta2: float = 0.99        # AdamW's β2
+    grad_clip: float = 1.0     # clip the gradient norm to this (0: no clipping; the norm is logged either way)
+    eval_interval: int = 750   # evaluate and checkpoint every this many steps
+    eval_iters: int = 40       # fixed batches per evaluation
+    log_interval: int = 50     # log the training loss every this many steps
+    seed: int = 1337           # seed of the initialisation, dropout and batch order
     eval_seed: int = -1        # seed of the fixed evaluation batches (-1: the run's seed)
-    device: str = "auto"
-    compile: bool = False
+    device: str = "auto"       # auto, cpu, cuda, cuda:N or mps (auto: cuda, else mps, else cpu)
+    compile: bool = False      # torch.compile the model
     out_dir: str = ""          # default: out/<model>-<dataset>
-    data_dir: str = "data"
+    data_dir: str = "data"     # where datasets are prepared (data/<dataset>/)
     init_from: str = ""        # a checkpoint whose weights (and architecture) start this run
-    model: str = "gpt"
-    dataset: str = "shakespeare"
+    model: str = "gpt"         # set by --model
+    dataset: str = "shakespeare"  # set by --dataset
 
     def __post_init__(self):
         for f in fields(self):  # dataclasses do not check types; the CLI and checkpoints rely on them
@@ -77,16 +78,17 @@ class Config:
                 raise NanorouteError(f"{f.name} must be a finite number, got {v}")
         if self.gelu not in ("none", "tanh"):
             raise NanorouteError(f"gelu must be 'none' (exact) or 'tanh' (GPT-2), got {self.gelu!r}")
-        if self.n_embd % self.n_head:
-            raise NanorouteError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        check_device_name(self.device)
         at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size", "eval_iters",
                         "eval_interval", "log_interval"),
                     0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr"),
                     -1: ("eval_seed",)}
-        for low, names in at_least.items():
+        for low, names in at_least.items():  # sizes first: a ratio of them (n_embd / n_head) needs them >= 1
             for name in names:
                 if getattr(self, name) < low:
                     raise NanorouteError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise NanorouteError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if not self.learning_rate > 0:
             raise NanorouteError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.min_lr > self.learning_rate:
@@ -164,8 +166,13 @@ def prepare(name, data_dir=DATA_DIR, url=None):
         raise NanorouteError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     d = os.path.join(data_dir, name)
     meta_path = os.path.join(d, "meta.json")
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise NanorouteError(f"--data_dir {data_dir} is a file, not a directory")
     if os.path.exists(meta_path):
-        return load_meta(name, data_dir)
+        meta = load_meta(name, data_dir)
+        for split in (k[:-len("_tokens")] for k in meta if k.endswith("_tokens")):
+            load_split(name, split, data_dir)  # a damaged preparation is refused here, before any work
+        return meta
     os.makedirs(d, exist_ok=True)
     splits, meta = {}, {"dataset": name}
     if name in ("shakespeare", "shakespeare_bpe"):
@@ -208,14 +215,15 @@ def prepare(name, data_dir=DATA_DIR, url=None):
         rng = np.random.default_rng(1234 if name == "copy" else 4321)
         splits = {"train": _task_records(name, 10_000, rng), "val": _task_records(name, 1_000, rng)}
         meta.update(vocab_size=TASK_VOCAB + 3, record_len=2 * TASK_LEN + 3, unit="token")
+    short = {k: len(v) for k, v in splits.items() if len(v) < 2}  # a window needs an input and a target
+    if short:
+        raise NanorouteError(f"{name} gives a {', '.join(short)} split of {min(short.values())} token(s): its "
+                             f"input in {d} is empty or too short; put the full file there and run again")
     for split, ids in splits.items():
         path, arr = os.path.join(d, f"{split}.bin"), np.asarray(ids, dtype=np.uint16)  # every vocabulary fits
-        arr.tofile(path + ".tmp")
-        os.replace(path + ".tmp", path)
+        atomic_write(path, arr.tofile)
         meta[f"{split}_tokens"] = len(arr)
-    with open(meta_path + ".tmp", "w") as f:
-        json.dump(meta, f)
-    os.replace(meta_path + ".tmp", meta_path)
+    atomic_write(meta_path, lambda f: f.write(json.dumps(meta).encode()))  # last: it marks a complete preparation
     print(f"prepared {name}: " + ", ".join(f"{k} {v:,}" for k, v in meta.items()
                                           if k in ("characters", "vocab_size") or k.endswith("_tokens")))
     return meta
@@ -223,7 +231,11 @@ def prepare(name, data_dir=DATA_DIR, url=None):
 
 def bpe():
     import tiktoken
-    return tiktoken.get_encoding("r50k_base")  # the GPT-2 vocabulary (same ids as "gpt2")
+    try:
+        return tiktoken.get_encoding("r50k_base")  # the GPT-2 vocabulary (same ids as "gpt2")
+    except (OSError, ValueError) as e:  # tiktoken downloads it once, into TIKTOKEN_CACHE_DIR
+        raise NanorouteError(f"the GPT-2 BPE vocabulary could not be loaded ({type(e).__name__}): connect once, or "
+                             "set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's r50k_base file")
 
 
 def load_meta(name, data_dir=DATA_DIR):
@@ -232,15 +244,39 @@ def load_meta(name, data_dir=DATA_DIR):
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise NanorouteError(f"{path} is missing or corrupt ({type(e).__name__}); delete {os.path.dirname(path)} "
-                             "and run again to re-prepare")
+        raise NanorouteError(f"{path} is missing or corrupt ({type(e).__name__}): delete it if it is there and run "
+                             f"train.py --dataset {name} to prepare the data again")
 
 
 def load_split(name, split, data_dir=DATA_DIR):
-    path = os.path.join(data_dir, name, f"{split}.bin")
-    if not os.path.exists(path):
-        raise NanorouteError(f"{path} is missing; delete {os.path.dirname(path)} and run again to re-prepare")
+    """A split's tokens, memory-mapped, once its size is checked against meta.json (a truncated copy, a full
+    disk or an odd byte count would train on other data than the one prepared)."""
+    path, meta_path = os.path.join(data_dir, name, f"{split}.bin"), os.path.join(data_dir, name, "meta.json")
+    want = load_meta(name, data_dir).get(f"{split}_tokens")
+    have = os.path.getsize(path) if os.path.isfile(path) else None
+    if have is None or want is None or have != 2 * want or want < 2:
+        found = "is missing" if have is None else f"has {have:,} bytes"
+        expect = f"{want:,} uint16 tokens" if want is not None else f"no {split} split"
+        raise NanorouteError(f"{path} {found}, but {meta_path} says {expect}: the preparation is damaged; "
+                             f"delete {meta_path} and run again to re-prepare")
     return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def atomic_write(path, write):
+    """write(f) into path.tmp opened for bytes, then rename it over path: a failed write (a full disk, a kill)
+    leaves the previous file intact and no partial one, and is raised as an OSError naming path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            write(f)
+        os.replace(path + ".tmp", path)
+    except BaseException as e:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        err = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write in a RuntimeError
+        if isinstance(err, OSError):
+            raise OSError(err.errno, err.strerror or str(err), path) from None
+        raise
 
 
 def get_batch(data, meta, batch_size, block_size, rng, device="cpu"):
@@ -563,7 +599,14 @@ def dense_flops_per_token(cfg, T):
 # --------------------------------------------------------------------------------------------------
 # 4. Device, optimiser, checkpoints, evaluation
 
+def check_device_name(name):
+    """The devices the project supports: auto, cpu, cuda, cuda:N, mps (not meta, xla, ...)."""
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name):
+        raise NanorouteError(f"device must be auto, cpu, cuda, cuda:N or mps, got {name!r}")
+
+
 def pick_device(name="auto"):
+    check_device_name(name)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     try:
@@ -633,21 +676,20 @@ def cosine(ratio, hi, lo):
 
 
 def save_checkpoint(path, **state):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    """Atomic (atomic_write): a crash mid-write leaves the previous checkpoint intact."""
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path):
-    if not os.path.exists(path):
-        raise NanorouteError(f"checkpoint {path} not found")
+    if not os.path.isfile(path):
+        raise NanorouteError(f"checkpoint {path} not found" + (" (a directory)" if os.path.isdir(path) else ""))
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
+    except Exception as e:  # an empty file raises EOFError with no message
+        why = (str(e).splitlines() or [""])[0][:120]
         raise NanorouteError(f"checkpoint {path} is corrupt or not a nanoroute checkpoint "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
+                             f"({type(e).__name__}{': ' + why if why else ''})")
+    if not isinstance(ckpt, dict) or "model" not in ckpt or not isinstance(ckpt.get("config"), dict):
         raise NanorouteError(f"checkpoint {path} has no model/config: not a nanoroute checkpoint")
     return ckpt
 

@@ -18,9 +18,14 @@ skipped per layer, sparse vs dense speed measured on the spot, the routing pictu
 import dataclasses
 import html
 import importlib
+import inspect
 import json
+import math
 import os
+import re
+import shlex
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -30,7 +35,20 @@ import common
 from common import NanorouteError
 
 MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "conddepth", "hybrid": "hybrid_attn"}
-FLAGS = ("model", "dataset", "preset", "resume")  # the flags that are not Config fields
+RUN_FILES = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")  # an out_dir with one of these holds a run
+OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")       # what --overwrite removes
+FLAGS = {  # the flags that are not Config fields: default, one line of help
+    "model": ("gpt", "the model: " + ", ".join(MODELS)),
+    "dataset": ("shakespeare", "the data: " + ", ".join(common.DATASETS)),
+    "preset": ("", "named settings of the model (listed below); defaults < preset < flags"),
+    "resume": (False, "continue the run in out_dir from its ckpt.pt (same model, data and sizes)"),
+    "overwrite": (False, "start over in an out_dir that holds a run: first removes its " + ", ".join(OUTPUTS)),
+}
+GROUPS = {"run": ("model", "preset", "resume", "overwrite", "out_dir", "init_from", "device", "compile", "seed",
+                  "eval_interval", "eval_iters", "eval_seed", "log_interval"),
+          "data": ("dataset", "data_dir"),
+          "optimisation": ("max_iters", "batch_size", "learning_rate", "min_lr", "warmup_iters", "weight_decay",
+                           "beta1", "beta2", "grad_clip")}  # the rest of common.Config: "model"
 
 
 def parse_value(name, typ, text):
@@ -44,40 +62,50 @@ def parse_value(name, typ, text):
             return False
     else:
         try:
-            return typ(text)
+            value = typ(text)
         except ValueError:
-            pass
+            value = None
+        if typ is float and value is not None and not math.isfinite(value):
+            raise NanorouteError(f"--{name} must be a finite number, got {text!r}")
+        if value is not None:
+            return value
     raise NanorouteError(f"--{name} expects {typ.__name__}, got {text!r}")
 
 
-def split_flags(argv):
-    """['--a=1', '--b', '2', '--c'] -> [('a', '1'), ('b', '2'), ('c', None)]; anything else is a one-line error."""
-    pairs, i = [], 0
+def split_flags(argv, may_be_empty=()):
+    """['--a=1', '--b', '2', '--c'] -> {'a': '1', 'b': '2', 'c': None}; a stray word, an empty value (but for the
+    flags in may_be_empty) or a flag given twice is a one-line error."""
+    flags, i = {}, 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise NanorouteError(f"unexpected argument {arg!r}; flags look like --key=value")
+            raise NanorouteError(f"unexpected argument {arg!r}; flags look like --key=value (see --help)")
         key, eq, val = arg[2:].partition("=")
         if not eq:  # --key value, or a bare boolean --key
             has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
             val = argv[i + 1] if has_value else None
             i += has_value
-        pairs.append((key, val))
+        if key in flags:
+            raise NanorouteError(f"--{key} is given twice; give each flag once")
+        if val == "" and key not in may_be_empty:
+            raise NanorouteError(f"--{key} has an empty value; give a value or leave the flag out")
+        flags[key] = val
         i += 1
-    return pairs
+    return flags
 
 
 def parse_args(argv):
-    """argv -> (Config, model module, resume). Unknown keys and bad values are one-line errors."""
-    opts = dict(split_flags(argv))
-    name = opts.pop("model", None) or "gpt"
-    if name not in MODELS:
-        raise NanorouteError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    module = importlib.import_module(MODELS[name])
+    """argv -> (Config, model module, mode: "new", "resume" or "overwrite"). Unknown keys and bad values are
+    one-line errors."""
+    opts = split_flags(argv)
+    name, module = model_module(opts.pop("model", "gpt"))
     dataset = opts.pop("dataset", None) or "shakespeare"
     if dataset not in common.DATASETS:
         raise NanorouteError(f"unknown dataset {dataset!r}; choose one of {', '.join(common.DATASETS)}")
     resume = parse_value("resume", bool, opts.pop("resume", "false"))
+    overwrite = parse_value("overwrite", bool, opts.pop("overwrite", "false"))
+    if resume and overwrite:
+        raise NanorouteError("--resume continues the run in out_dir, --overwrite removes it: give one of them")
     preset, presets = opts.pop("preset", None), getattr(module, "PRESETS", {})
     if preset is not None and preset not in presets:
         raise NanorouteError(f"unknown preset {preset!r} for --model {name}; choose one of "
@@ -85,39 +113,170 @@ def parse_args(argv):
     values = dict(presets[preset]) if preset is not None else {}  # defaults < preset < flags
     fields = {f.name: f for f in dataclasses.fields(module.Config)}
     for key, val in opts.items():
-        if key not in fields:
-            raise NanorouteError(f"unknown option --{key}; valid: --{', --'.join(list(FLAGS) + sorted(fields))}")
+        if key not in fields or key in FLAGS:
+            raise NanorouteError(f"unknown option --{key}; valid: --{', --'.join(list(FLAGS) + sorted(set(fields) - set(FLAGS)))}")
         values[key] = parse_value(key, fields[key].type, val)
     values.update(model=name, dataset=dataset)
-    return module.Config(**values), module, resume
+    return module.Config(**values), module, "resume" if resume else "overwrite" if overwrite else "new"
+
+
+def model_module(name):
+    if name not in MODELS:
+        raise NanorouteError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    return name, importlib.import_module(MODELS[name])
+
+
+def field_help(cls):
+    """Field name -> its one line of help: the trailing comment of its line in the Config classes (a subclass's
+    comment wins; a field a subclass redefines without one keeps its base's)."""
+    out = {}
+    for c in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(c):
+            for key, text in re.findall(r"^    (\w+): [^\n=]+=[^\n#]*#\s*(.*)$", inspect.getsource(c), re.M):
+                out[key] = text
+    return out
+
+
+def show(value):
+    return str(value).lower() if isinstance(value, bool) else shlex.quote(str(value)) if value != "" else "''"
+
+
+def print_help(argv):
+    """python train.py [--model M] --help: the flags of that model, grouped, with defaults and one line each."""
+    name, module = model_module(split_flags(argv).get("model") or "gpt")
+    cfg, helps = module.Config(), field_help(module.Config)
+    own = [f.name for f in dataclasses.fields(cfg) if f.name not in {g.name for g in dataclasses.fields(common.Config)}
+           and f.name not in FLAGS]
+    shown = set(FLAGS) | set(own) | {k for g in GROUPS.values() for k in g}
+    groups = {**GROUPS, "model (every model)": [f.name for f in dataclasses.fields(cfg) if f.name not in shown]}
+    if own:
+        groups[f"--model {name} ({MODELS[name]}.py's Config)"] = own
+    print("usage: python train.py [--model M] [--dataset D] [--preset P] [--resume | --overwrite] [--key=value ...]\n"
+          "       python train.py --sample RUN_DIR [--prompt TEXT] ...  (python train.py --sample --help)\n"
+          f"       python train.py --model M --help  (that model's own flags)\n\n{__doc__.strip().split(chr(10))[0]}"
+          "\nEvery flag is --key=value or --key value; a bool alone (--compile) is true.")
+    for title, keys in groups.items():
+        print(f"\n{title}:")
+        for k in keys:
+            default, text = FLAGS[k] if k in FLAGS else (getattr(cfg, k), helps.get(k, ""))
+            if k == "model":
+                default = name
+            print(f"{'  --' + k + '=' + show(default):<30} {text}".rstrip())
+    presets = getattr(module, "PRESETS", {})
+    print(f"\npresets of --model {name} (--preset NAME sets these; flags given too win):")
+    for key, values in presets.items():
+        print(f"  {key}: " + " ".join(f"--{k}={show(v)}" for k, v in values.items()))
+    if not presets:
+        print("  (none)")
+
+
+def out_dir_of(cfg):
+    return cfg.out_dir or os.path.join("out", f"{cfg.model}-{cfg.dataset}")
 
 
 def resolve(cfg, meta):
     """Fill what the data decides: vocabulary, and for copy/sort the record length."""
-    changes = {"vocab_size": meta["vocab_size"],
-               "out_dir": cfg.out_dir or os.path.join("out", f"{cfg.model}-{cfg.dataset}")}
+    changes = {"vocab_size": meta["vocab_size"], "out_dir": out_dir_of(cfg)}
     if "record_len" in meta and cfg.block_size != meta["record_len"] - 1:
         changes["block_size"] = meta["record_len"] - 1
         print(f"note: {cfg.dataset} trains on whole records: block_size {cfg.block_size} -> {changes['block_size']}")
     return dataclasses.replace(cfg, **changes)
 
 
-def check_fits(cfg, meta):
-    """Refuse, before anything is written, windows the data or the memory cannot hold."""
+def check_fits(cfg, meta, module, device):
+    """Refuse, before anything is written, windows the data cannot hold and a model the memory cannot."""
     val_tokens = meta.get("val_tokens", 0)
     if "record_len" not in meta and 2 * cfg.block_size > val_tokens:
         raise NanorouteError(f"block_size={cfg.block_size} is more than half of {cfg.dataset}'s validation split "
                              f"({val_tokens:,} tokens): too few distinct windows to evaluate on")
-    scores = cfg.batch_size * cfg.n_head * cfg.block_size ** 2 * 4 * 3  # fp32 attention scores, fwd + bwd
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    if ram and scores > ram / 2:
-        raise NanorouteError(f"block_size={cfg.block_size} with batch_size={cfg.batch_size}: one layer's attention "
-                             f"would need ~{scores / 2 ** 30:.0f} GiB, more than half of this machine's memory")
-    parent = cfg.out_dir
+    if device.type == "cuda":
+        limit, where = 0.9 * torch.cuda.get_device_properties(device).total_memory, "this GPU's memory"
+    else:  # the CPU's, and MPS's unified memory, shared with everything else the machine runs
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+        limit, where = ram / 2, "half of this machine's memory"
+    B, T, C = cfg.batch_size, cfg.block_size, cfg.n_embd
+    # activations kept for the backward pass, fp32, roughly: ~16 B·T·C per layer (qkv, attention output,
+    # the 4C-wide FFN and its GELU, norms, residuals), one layer's attention scores B·nh·T² (fwd + bwd, the
+    # math path), the logits three times (logits, softmax, gradient)
+    act = 4 * (16 * B * T * C * cfg.n_layer + 2 * B * cfg.n_head * T * T + 3 * B * T * cfg.vocab_size)
+    params = 12 * cfg.n_layer * C * C + cfg.vocab_size * C  # a GPT's, a lower bound: no need to build a huge one
+    if limit and 16 * params + act <= limit:
+        try:  # every tensor of this very model, without allocating it; a size it cannot take is refused here
+            with torch.device("meta"):
+                params = sum(t.numel() for t in build(module, cfg).state_dict().values())
+        except (RuntimeError, ValueError, ZeroDivisionError) as e:
+            raise NanorouteError(f"--model {cfg.model} cannot be built with these sizes: {str(e).splitlines()[0]}")
+    need = 16 * params + act  # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter
+    if limit and need > limit:
+        raise NanorouteError(f"this run would need ~{need / 2 ** 30:,.1f} GiB to train ({params / 1e6:,.1f}M "
+                             f"parameters with their gradients and AdamW's moments: {16 * params / 2 ** 30:,.1f} "
+                             f"GiB; activations at batch_size={B}, block_size={T}: ~{act / 2 ** 30:,.1f} GiB), "
+                             f"more than {where} ({limit / 2 ** 30:,.0f} GiB)")
+
+
+def check_out_dir(cfg, mode, world):
+    """Refuse, before any work, an out_dir that cannot be written or that holds a run a new one would replace.
+    With --resume, return its checkpoint once it is known to fit this run."""
+    out, parent = cfg.out_dir, cfg.out_dir
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if parent and not os.path.isdir(parent):
-        raise NanorouteError(f"--out_dir {cfg.out_dir}: {parent} is a file, not a directory")
+        raise NanorouteError(f"--out_dir {out}: {parent} is a file, not a directory")
+    try:  # what the OS says, not os.access (root passes that on a read-only mount)
+        tempfile.TemporaryFile(dir=parent or ".").close()
+    except OSError as e:
+        raise NanorouteError(f"--out_dir {out}: cannot write in {parent or '.'} ({e.strerror})")
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if mode == "new" and held:
+        raise NanorouteError(f"{out} holds a run ({', '.join(held)}): continue it with --resume, or start "
+                             "over with --overwrite (removes it), or choose another --out_dir")
+    if mode != "resume":
+        return None
+    path = os.path.join(out, "ckpt.pt")
+    if not os.path.exists(path):
+        raise NanorouteError(f"--resume: no {path} to resume from" + (
+            "; the run stopped before its first checkpoint: start it again with --overwrite" if held else ""))
+    ckpt = common.load_checkpoint(path)
+    missing = [k for k in ("optimizer", "iter", "best_val_loss", "rng_cpu") if k not in ckpt]
+    if missing:
+        raise NanorouteError(f"{path} has no training state ({', '.join(missing)}; a copy of best.pt?): --resume "
+                             f"needs the ckpt.pt a run writes; to train on from its weights, start a new run "
+                             f"with --init_from={path}")
+    saved = ckpt["config"]
+    for k in ("model", "dataset", *common.ARCH_FIELDS):
+        if saved.get(k, getattr(cfg, k)) != getattr(cfg, k):
+            raise NanorouteError(f"checkpoint {path} has {k}={saved[k]} but this run asks for {k}={getattr(cfg, k)}; "
+                                 f"resume with the flags it was trained with ({os.path.join(out, 'config.json')})")
+    n = len(ckpt["rng_cpu"])
+    if n != world:
+        raise NanorouteError(f"{path} was written by {n} process(es), this run has {world}: resume it with "
+                             + ("python train.py ..." if n == 1 else f"torchrun --nproc_per_node={n} train.py ..."))
+    if ckpt["iter"] >= cfg.max_iters:
+        raise NanorouteError(f"{path} is at step {ckpt['iter']} and --max_iters={cfg.max_iters}: nothing left to "
+                             f"train; give a --max_iters above {ckpt['iter']} to train on")
+    return ckpt
+
+
+def differences(saved, cfg):
+    """What a checkpoint's config and this run's disagree on, for a one-line error."""
+    return ", ".join(f"{k}={v!r} (this run: {getattr(cfg, k)!r})" for k, v in saved.items()
+                     if hasattr(cfg, k) and v != getattr(cfg, k) and k not in ("out_dir", "device", "max_iters"))
+
+
+def read_metrics(path):
+    """The records of a metrics.jsonl. A last line cut short (what a full disk or a kill mid-write leaves) is
+    dropped with a note; any other line that is not JSON is an error."""
+    if not os.path.exists(path):
+        return []
+    lines, recs = open(path, encoding="utf-8").read().splitlines(), []
+    for i, line in enumerate(lines):
+        try:
+            recs.append(json.loads(line))
+        except ValueError:
+            if i + 1 < len(lines):
+                raise NanorouteError(f"{path}: line {i + 1} is not JSON; fix or remove that line")
+            print(f"note: {path}: dropped its last line, cut short ({line[:40]!r})")
+    return recs
 
 
 def build(module, cfg):
@@ -128,13 +287,11 @@ def build(module, cfg):
 
 def write_atomic(path, text):
     """Write text to path via a temporary file: a crash mid-write leaves the previous file intact."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    common.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def train(cfg, module, resume=False):
+def train(cfg, module, mode="new"):
+    """mode: "new" (refused where out_dir holds a run), "resume" or "overwrite" (removes the old run first)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     device = common.pick_device(cfg.device)
@@ -154,10 +311,11 @@ def train(cfg, module, resume=False):
     if init is not None:  # start from another run's weights; its architecture wins
         cfg = dataclasses.replace(cfg, **{k: init["config"][k] for k in common.ARCH_FIELDS if k in init["config"]})
     cfg = resolve(cfg, meta)
-    check_fits(cfg, meta)
+    check_fits(cfg, meta, module, device)
     refused = getattr(module, "COMPILE_REFUSED", {}).get(device.type)  # device type -> why compile is refused there
     if cfg.compile and refused:
         raise NanorouteError(f"--compile is refused for --model {cfg.model} on {device.type}: {refused}")
+    ckpt = check_out_dir(cfg, mode, world) if master or mode == "resume" else None
     train_data, val_data = (common.load_split(cfg.dataset, split, cfg.data_dir) for split in ("train", "val"))
     ckpt_path, best_path, metrics_path = (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt", "metrics.jsonl"))
 
@@ -174,24 +332,28 @@ def train(cfg, module, resume=False):
         log(f"init from {cfg.init_from}: {len(missing)} new tensors")
     optimizer = common.make_optimizer(model, cfg, device)
     start, best_val = 0, float("inf")
-    if resume:
-        ckpt = common.load_checkpoint(ckpt_path)
-        for k in common.ARCH_FIELDS:
-            if ckpt["config"].get(k, getattr(cfg, k)) != getattr(cfg, k):
-                raise NanorouteError(f"checkpoint {ckpt_path} has {k}={ckpt['config'][k]} but this run asks for "
-                                     f"{k}={getattr(cfg, k)}")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt is not None:
+        try:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise NanorouteError(f"{ckpt_path} does not fit this run's {cfg.model} ("
+                                 f"{differences(ckpt['config'], cfg) or str(e).strip().splitlines()[0]}); resume "
+                                 "with the flags it was trained with")
         start, best_val = ckpt["iter"], ckpt["best_val_loss"]
         torch.set_rng_state(ckpt["rng_cpu"][rank])
         if device.type == "cuda" and "rng_cuda" in ckpt:
             torch.cuda.set_rng_state(ckpt["rng_cuda"][rank])
         if master:  # drop what the killed run logged after its checkpoint, so the log reads as one run
-            keep = [r for r in map(json.loads, open(metrics_path)) if r["step"] < start or
-                    (r["kind"] == "eval" and r["step"] == start)] if os.path.exists(metrics_path) else []
+            keep = [r for r in read_metrics(metrics_path) if r["step"] < start or
+                    (r["kind"] == "eval" and r["step"] == start)]
             write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
         log(f"resuming {ckpt_path} at step {start}")
     elif master:
+        for f in OUTPUTS if mode == "overwrite" else ():
+            for p in (os.path.join(cfg.out_dir, f), os.path.join(cfg.out_dir, f + ".tmp")):
+                if os.path.exists(p):
+                    os.remove(p)
         write_atomic(metrics_path, "")  # a fresh log (and out_dir)
     if master:
         write_atomic(os.path.join(cfg.out_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -210,7 +372,7 @@ def train(cfg, module, resume=False):
 
     t0, t_last = time.time(), time.time()
     for it in range(start, cfg.max_iters + 1):
-        eval_now = (it % cfg.eval_interval == 0 or it == cfg.max_iters) and not (resume and it == start)
+        eval_now = (it % cfg.eval_interval == 0 or it == cfg.max_iters) and not (ckpt is not None and it == start)
         if eval_now:
             rng = {"rng_cpu": _gather_rng(torch.get_rng_state(), ddp)}  # a collective: every rank joins
             if device.type == "cuda":
@@ -283,7 +445,7 @@ def _gather_rng(state, ddp):
 # The end of a run: what a user needs to trust the router, in words and numbers
 
 def summary(model, cfg, meta, val_data, device, metrics_path):
-    last = [r for r in map(json.loads, open(metrics_path)) if r["kind"] == "eval"][-1]
+    last = [r for r in read_metrics(metrics_path) if r["kind"] == "eval"][-1]
     hard, soft = last["val_loss"], last.get("val_soft_loss")
     print(f"\n== {cfg.model} on {cfg.dataset}: summary ==")
     print(f"val loss {hard:.4f}: what inference runs"
@@ -445,21 +607,33 @@ def encode_prompt(meta, text):
 # ----------------------------------------------------------------------------------------------------
 # python train.py --sample RUN_DIR: nanoGPT's sample.py for a trained run
 
-SAMPLE_FLAGS = {"sample": "", "prompt": "\n", "num_tokens": 300, "temperature": 0.8, "top_k": 200, "dense": False,
-                "compile": False, "seed": 1337, "device": "auto"}  # the defaults; a flag's type is its default's
+SAMPLE_FLAGS = {  # name: (default, one line of help); a flag's type is its default's
+    "sample": ("", "the run directory to sample from (its best.pt, else its ckpt.pt)"),
+    "prompt": ("\n", "the text to continue (copy/sort: numbers 0..31 and [BOS]/[SEP]/[EOS]; default: the "
+                     "first held-out record's source)"),
+    "num_tokens": (300, "tokens to generate (copy/sort default: the record's target and [EOS])"),
+    "temperature": (0.8, "0: greedy; higher: more random"),
+    "top_k": (200, "sample among the k most likely tokens"),
+    "dense": (False, "decode without the KV cache: the whole window per token"),
+    "compile": (False, "torch.compile the decoding step (its compile time is in the timing)"),
+    "seed": (1337, "seed of the sampling"),
+    "device": ("auto", "auto, cpu, cuda, cuda:N or mps"),
+}
 
 
 def sample_run(argv):
-    opts = dict(SAMPLE_FLAGS)
-    for key, val in split_flags(argv):
+    opts = {k: v for k, (v, _) in SAMPLE_FLAGS.items()}
+    given = split_flags(argv, may_be_empty=("prompt",))  # --prompt "": a newline, as nanoGPT's sample.py
+    for key, val in given.items():
         if key not in SAMPLE_FLAGS:
             raise NanorouteError(f"unknown option --{key} with --sample; valid: --{', --'.join(SAMPLE_FLAGS)}")
-        opts[key] = parse_value(key, type(SAMPLE_FLAGS[key]), val)
+        opts[key] = parse_value(key, type(SAMPLE_FLAGS[key][0]), val)
     run_dir = opts["sample"]
     if not os.path.isdir(run_dir):
         raise NanorouteError(f"--sample {run_dir}: no such run directory (train one with python train.py --model ...)")
     if opts["num_tokens"] < 1 or opts["temperature"] < 0 or opts["top_k"] < 1:
         raise NanorouteError("--num_tokens and --top_k must be >= 1 and --temperature >= 0")
+    common.check_device_name(opts["device"])
     path = next((p for p in (os.path.join(run_dir, f) for f in ("best.pt", "ckpt.pt")) if os.path.exists(p)), None)
     if path is None:
         raise NanorouteError(f"--sample {run_dir}: no best.pt or ckpt.pt there (has the run reached its first eval?)")
@@ -474,9 +648,18 @@ def sample_run(argv):
         raise NanorouteError(f"checkpoint {path} has a config this code does not know ({e})")
     device = common.pick_device(opts["device"])
     model = build(module, cfg).to(device)
-    model.load_state_dict(ckpt["model"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise NanorouteError(f"checkpoint {path}'s weights do not fit its own config: {str(e).splitlines()[0]}")
     meta = common.load_meta(cfg.dataset, cfg.data_dir)
-    ids = encode_prompt(meta, opts["prompt"] or "\n")  # an empty prompt starts from a newline, as nanoGPT's sample.py
+    if "record_len" in meta and "prompt" not in given:  # copy/sort: complete a held-out record, as the summary does
+        ids = common.load_split(cfg.dataset, "val", cfg.data_dir)[:common.TASK_LEN + 2].astype(np.int64).tolist()
+        if "num_tokens" not in given:
+            opts["num_tokens"] = common.TASK_LEN + 1
+        print(f"no --prompt: completing the first held-out record's source {common.decode(meta, ids)!r}")
+    else:
+        ids = encode_prompt(meta, opts["prompt"] or "\n")
     if not ids:
         raise NanorouteError(f"--prompt is empty; a {cfg.dataset} prompt needs at least one token (e.g. '[BOS] 3 1')")
     idx = torch.tensor(ids[-cfg.block_size:], dtype=torch.long, device=device)[None]  # (1, T0)
@@ -492,22 +675,48 @@ def sample_run(argv):
            + (", compiled step (includes compile time)" if opts["compile"] else ""))
     print(f"{cfg.model} from {path} (step {ckpt['iter']}, val {ckpt.get('val_loss', float('nan')):.4f}); "
           f"{opts['num_tokens']} tokens in {dt:.2f}s ({opts['num_tokens'] / dt:.0f} tok/s, {how})")
+    print("sample:\n" + common.decode(meta, out[0].tolist()), flush=True)  # first: a failed picture loses nothing
     if hasattr(model, "routing_map"):
         window = out[:, -cfg.block_size:]
         html_path = os.path.join(run_dir, "sample_routing.html")
-        print(picture(model, window, meta, f"{cfg.model}: routing of the sample's last {window.size(1)} tokens",
-                      html_path))
-        print(f"wrote {html_path}")
-    print("sample:\n" + common.decode(meta, out[0].tolist()))
+        title = f"{cfg.model}: routing of the sample's last {window.size(1)} tokens"
+        try:
+            print(picture(model, window, meta, title, html_path) + f"\nwrote {html_path}")
+        except OSError as e:
+            print(picture(model, window, meta, title, None))
+            print(f"warning: could not write {html_path} ({e.strerror}); the sample is above", file=sys.stderr)
+
+
+def print_sample_help():
+    print("usage: python train.py --sample RUN_DIR [--prompt TEXT] [--num_tokens N] [--temperature T] ...\n\n"
+          "Generate text from a trained run (nanoGPT's sample.py).\n")
+    for k, (default, text) in SAMPLE_FLAGS.items():
+        print(f"{'  --' + k + '=' + show(default):<24} {text}")
+
+
+def resume_line(argv, cfg):
+    """After Ctrl-C: the exact command that continues this run (or starts it again, with no checkpoint yet)."""
+    flags = [f"--{k}" if v is None else f"--{k}={v}" for k, v in split_flags(argv).items()
+             if k not in ("resume", "overwrite")]
+    n = int(os.environ.get("WORLD_SIZE", 1))
+    run = ["torchrun", "--standalone", f"--nproc_per_node={n}"] if "RANK" in os.environ else ["python"]
+    if os.path.exists(os.path.join(out_dir_of(cfg), "ckpt.pt")):
+        return f"interrupted; continue with: {shlex.join([*run, 'train.py', *flags, '--resume'])}"
+    return (f"interrupted before the first checkpoint; start again with: "
+            f"{shlex.join([*run, 'train.py', *flags, '--overwrite'])}")
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    master, cfg = os.environ.get("RANK", "0") == "0", None
     try:
-        argv = sys.argv[1:] if argv is None else argv
-        if any(a == "--sample" or a.startswith("--sample=") for a in argv):
+        sample = any(a == "--sample" or a.startswith("--sample=") for a in argv)
+        if "-h" in argv or "--help" in argv:
+            return print_sample_help() if sample else print_help([a for a in argv if a not in ("-h", "--help")])
+        if sample:
             return sample_run(argv)
-        cfg, module, resume = parse_args(argv)
-        best = train(cfg, module, resume)
+        cfg, module, mode = parse_args(argv)
+        best = train(cfg, module, mode)
         if "RANK" in os.environ:
             # DDP keeps gloo's worker threads alive past destroy_process_group, and one that frees a collective's
             # tensors while the interpreter shuts down aborts the process (SIGABRT): a finished worker skips that
@@ -515,9 +724,20 @@ def main(argv=None):
             os._exit(0)
         return best
     except NanorouteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        message = str(e)
+    except OSError as e:  # a full disk, a folder made read-only mid-run: one line, no traceback
+        message = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+    except KeyboardInterrupt:  # Ctrl-C: checkpoints are atomic, so the last one is whole
+        if master:
+            print(resume_line(argv, cfg) if cfg is not None else "interrupted", file=sys.stderr)
+        raise  # a caller in this process (a test, a script) stops too; the command line exits 130 below
+    if master:
+        print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # main said how to resume; 130 = 128 + SIGINT, the shell's code for Ctrl-C
+        sys.exit(130)

@@ -68,17 +68,12 @@ def parent(name):
 
 
 def train(name, seed, out, base, quick=False, device="auto"):
-    """Train one run unless its checkpoint already reached max_iters; resume a partial one."""
+    """Train one run (train_run: a finished one is not redone, a partial one resumes)."""
     model, flags = RUNS[name]
     d = run_dir(out, name, seed)
     flags = {**base, **flags, "seed": seed, "device": device, **(QUICK if quick else {})}
     if parent(name):
         flags["init_from"] = os.path.join(run_dir(out, parent(name), seed), "ckpt.pt")
-    ckpt = os.path.join(d, "ckpt.pt")
-    if os.path.exists(ckpt):
-        import common
-        if common.load_checkpoint(ckpt)["iter"] >= flags["max_iters"]:
-            return d
     return train_run(d, [f"--model={model}", *(f"--{k}={v}" for k, v in flags.items())])
 
 
@@ -299,9 +294,8 @@ def write_section(md, key, text, title="# All four routers vs dense GPTs of matc
         page = head + block + rest.split(end, 1)[1].lstrip("\n")
     else:
         page = page.rstrip("\n") + "\n\n" + block
-    with open(md + ".tmp", "w") as f:
-        f.write(page)
-    os.replace(md + ".tmp", md)
+    import common
+    common.atomic_write(md, lambda f: f.write(page.encode()))
 
 
 def section(budget, records, rec_dir):
@@ -322,35 +316,90 @@ def section(budget, records, rec_dir):
 # shared by the other experiment scripts (tsa, dtrnet, conddepth, hybrid)
 
 def train_run(out_dir, flags, after=None, dry=False):
-    """python train.py FLAGS --out_dir=OUT_DIR (output to OUT_DIR.log), then after(out_dir), then a `done` file.
-    A run whose `done` exists is skipped and one with a checkpoint resumes, so rerunning a study continues where
-    it stopped. dry: print only."""
+    """python train.py FLAGS --out_dir=OUT_DIR (output to OUT_DIR.log), then after(out_dir), then a `done` file. A run
+    with `done` is skipped, one trained to its max_iters not retrained, one with a checkpoint resumed, else started
+    over: rerunning a study continues where it stopped. dry: print only."""
     path = os.path.join(ROOT, out_dir)
     if os.path.exists(os.path.join(path, "done")):
         print(f"skip {out_dir}")
     elif dry:
         print("python train.py " + shlex.join([*flags, f"--out_dir={out_dir}"]))
     else:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        resume = ["--resume"] if os.path.exists(os.path.join(path, "ckpt.pt")) and "--resume" not in flags else []
-        argv = [*flags, f"--out_dir={out_dir}", *resume]
-        print("python train.py " + shlex.join(argv), flush=True)
-        with open(path + ".log", "a") as f:
-            subprocess.run([sys.executable, "train.py", *argv], check=True, cwd=ROOT, stdout=f,
-                           stderr=subprocess.STDOUT)
+        import common
+        ckpt, cfg = os.path.join(path, "ckpt.pt"), os.path.join(path, "config.json")
+        if not (os.path.exists(ckpt) and os.path.exists(cfg)
+                and common.load_checkpoint(ckpt)["iter"] >= json.load(open(cfg))["max_iters"]):
+            mode = [] if "--resume" in flags else ["--resume" if os.path.exists(ckpt) else "--overwrite"]
+            argv = [*flags, f"--out_dir={out_dir}", *mode]
+            print("python train.py " + shlex.join(argv), flush=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".log", "a") as f:
+                subprocess.run([sys.executable, "train.py", *argv], check=True, cwd=ROOT, stdout=f,
+                               stderr=subprocess.STDOUT)
         if after:
             after(path)
         open(os.path.join(path, "done"), "w").close()
     return path
 
 
-def study_cli(doc, commands, out):
+def parser(doc):
+    """argparse with the script's docstring as its --help, and a bad value as one `error:` line, exit 2."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)
+    return p
+
+
+def csv(cast=str, choices=(), keep=False):
+    """An argparse type: 'a,b' -> [cast(a), cast(b)], each one of choices if given; keep: the texts, checked by
+    cast (numbers that name run dirs: '0.70' stays '0.70')."""
+    def parse(text):
+        try:
+            items = [(cast(x), x)[keep] for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {cast.__name__}s, got {text!r}")
+        bad = [str(x) for x in items if choices and x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)}")
+        return items
+    return parse
+
+
+def entry(main, *args):
+    """Run a script's command: a NanorouteError, a missing or broken input or a failed train.py run is one `error:`
+    line and exit 2, not a traceback."""
+    from common import NanorouteError  # here: --help and argparse's errors need no torch
+    try:
+        return main(*args)
+    except (NanorouteError, OSError, ValueError, subprocess.CalledProcessError) as e:
+        if isinstance(e, subprocess.CalledProcessError):
+            e = f"{shlex.join(e.cmd[1:])} failed (exit {e.returncode}); see the run's .log"
+        elif isinstance(e, OSError) and e.filename:
+            e = f"{e.filename}: {e.strerror}"
+        sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
+
+
+def refusal(message):
+    from common import NanorouteError
+    return NanorouteError(message)
+
+
+def finished(root, hint):
+    """(root, the names of its runs that finished, with a `done` file); none is a one-line error saying how."""
+    root = os.path.join(ROOT, root)
+    runs = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "done"))) \
+        if os.path.isdir(root) else []
+    if not runs:
+        raise refusal(f"no finished runs in {root}: {hint}")
+    return root, runs
+
+
+def study_cli(doc, commands, out, argv=None):
+    p = parser(doc)
     p.add_argument("cmd", choices=list(commands))
     p.add_argument("--out", default=out, help="the runs' folder")
     p.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
-    a = p.parse_args()
-    commands[a.cmd](a)
+    a = p.parse_args(argv)
+    entry(commands[a.cmd], a)
 
 
 def evals(run):
@@ -359,7 +408,7 @@ def evals(run):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--budget", default="cpu", choices=BUDGETS, help="tokens per run: cpu 4.9M, gpu 12.3M, 600it 1.2M")
     p.add_argument("--jobs", type=int, default=1, help="training processes at a time (CPU: one per core with "
                    "OMP_NUM_THREADS=1; one H100 ran 6)")
@@ -367,10 +416,16 @@ def main(argv=None):
     p.add_argument("--out", help="run dirs (default out/compare<_budget>)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--table-only", action="store_true")
-    p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of run names")
-    p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="e.g. 1 or 1,2")
+    p.add_argument("--runs", type=csv(str, RUNS), default=list(RUNS), help="comma-separated subset of run names")
+    p.add_argument("--seeds", type=csv(int), default=list(SEEDS), help="e.g. 1 or 1,2")
     p.add_argument("--quick", action="store_true", help="a few iterations per run; records and table under --out")
     args = p.parse_args(argv)
+    if args.jobs < 1 or args.repeats < 1:
+        p.error("--jobs and --repeats must be >= 1")
+    entry(run, args)
+
+
+def run(args):
     suffix = "" if args.budget == "cpu" else f"_{args.budget}"
     out = args.out or os.path.join(ROOT, "out", "compare" + suffix + ("_quick" if args.quick else ""))
     results = os.path.join(out, "results") if args.quick else os.path.join(ROOT, "results")
@@ -382,8 +437,7 @@ def main(argv=None):
         device = common.pick_device(args.device)
         if args.quick:
             bench.MIN_SECONDS, args.repeats = 0.0, 1
-        todo = [(n, int(s)) for s in args.seeds.split(",") for n in args.runs.split(",")
-                if not os.path.exists(record(n, s))]
+        todo = [(n, s) for s in args.seeds for n in args.runs if not os.path.exists(record(n, s))]
         tasks = {(REF, s) for _, s in todo}  # every measurement needs the reference; every run its parent
         for n, s in todo:
             while n:
@@ -396,13 +450,11 @@ def main(argv=None):
         for name, seed in todo:  # measured one at a time, after every training has ended
             rec = measure(name, run_dir(out, name, seed), run_dir(out, REF, seed), args.repeats, device)
             rec["command"] = f"python experiments/compare.py --budget {args.budget} (run {name}, seed {seed})"
-            with open(record(name, seed) + ".tmp", "w") as f:
-                json.dump(rec, f, indent=1)
-            os.replace(record(name, seed) + ".tmp", record(name, seed))
+            common.atomic_write(record(name, seed), lambda f: f.write(json.dumps(rec, indent=1).encode()))
             print(f"{name} seed {seed}: val {rec['val_loss']:.4f}, FLOPs ratio {rec['flops_ratio']:.3f}", flush=True)
     records = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(rec_dir, "*.json")))]
     if not records:  # e.g. the GPU section, copied from the H100's files until its records exist
-        return print(f"no records in {rec_dir}: results/compare.md left as it is")
+        raise refusal(f"no records in {rec_dir}: nothing to tabulate, results/compare.md left as it is")
     text = section(args.budget, records, rec_dir)
     write_section(os.path.join(results, "compare.md"), args.budget, text)
     print(text)

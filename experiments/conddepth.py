@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from compare import ROOT, load, md_table, study_cli, train_run
+from compare import ROOT, load, md_table, refusal, study_cli, train_run
 
 RECIPES = ["G1", "G3", "A1", "A2", "A3-G1", "A3-G3"]
 # 300 controller steps of 16 × 64 tokens (paper: 20k steps of 16 × 256); labels from step 20, every 5
@@ -72,9 +72,7 @@ def evaluate(run, out):
            "evals": [{"step": r["step"], "loss": r["val_loss"], **{k[4:]: v for k, v in r.items() if k[:4] == "val_"}}
                      for r in recs if r["kind"] == "eval"],
            "grad_norm_mean": float(np.mean([r["grad_norm"] for r in recs if r["kind"] == "train"] or [np.nan]))}
-    with open(out + ".tmp", "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(out + ".tmp", out)
+    common.atomic_write(out, lambda f: f.write(json.dumps(res, indent=1).encode()))
     print(f"{run}: causal {final['causal']:.4f} (sparse {final['causal_sparse']:.4f}, full "
           f"{final['causal_full_ratio']:.3f}), top-k {final['topk']:.4f} (sparse {final['topk_sparse']:.4f}) -> {out}")
 
@@ -111,9 +109,10 @@ def hit(hs):
 
 
 def table(a):
-    R = os.path.join(ROOT, a.out)
+    R, runs = os.path.join(ROOT, a.out), {}
+    if not glob.glob(os.path.join(R, "*-s*.json")):
+        raise refusal(f"no run records in {R}: make them with `python experiments/conddepth.py chain`")
     th = json.load(open(os.path.join(R, "thresholds.json")))["thresholds"]
-    runs = {}
     for p in glob.glob(os.path.join(R, "*-s*.json")):
         recipe, seed = os.path.basename(p)[:-5].rsplit("-s", 1)
         runs.setdefault(recipe, {})[int(seed)] = json.load(open(p))

@@ -6,7 +6,6 @@ and its sparse vs dense-hard forward ratio, on a trained classroom checkpoint wh
   python experiments/devices.py                           # cpu fp32 and cpu bf16
   python experiments/devices.py --device cuda --dtypes bf16 fp32
 """
-import argparse
 import os
 import re
 import subprocess
@@ -14,7 +13,7 @@ import sys
 
 import torch
 
-from compare import ROOT  # first: it puts the model files ahead of this folder on sys.path
+from compare import ROOT, entry, parser  # first: it puts the model files ahead of this folder on sys.path
 import bench
 import common
 import train
@@ -63,12 +62,16 @@ def speed(name, device, dtype, repeats):
     return ms, t["dense"] / t["sparse"], f"trained (out/{name}-classroom)" if os.path.exists(ckpt) else "untrained"
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+def main(argv=None):
+    p = parser(__doc__)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(common.DTYPES))
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    entry(table, args)
+
+
+def table(args):
     device = common.pick_device(args.device)
     machine = f"{device.type}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
                                   f" ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")

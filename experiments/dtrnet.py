@@ -9,7 +9,7 @@ import json
 import os
 import statistics
 
-from compare import ROOT, evals, load, md_table, study_cli, train_run
+from compare import evals, finished, load, md_table, study_cli, train_run
 
 FLAGS = ("--dataset=shakespeare --n_layer=7 --n_head=4 --n_embd=96 --block_size=256 --batch_size=12 --max_iters=600 "
          "--warmup_iters=50 --learning_rate=2e-3 --min_lr=1e-4 --eval_interval=600 --eval_iters=20 "
@@ -36,9 +36,8 @@ def sparse_val(run):
 
 
 def table(a):
-    root = os.path.join(ROOT, a.out)
-    rows, by = [], {}
-    for d in sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "done"))):
+    (root, names), rows, by = finished(a.out, "train them with `python experiments/dtrnet.py train`"), [], {}
+    for d in names:
         name, seed = d.rsplit("_s", 1)
         ev, model = evals(os.path.join(root, d))[-1], json.load(open(os.path.join(root, d, "config.json")))["model"]
         layers = " ".join(f"L{k[10:]}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith("val_frac_l"))

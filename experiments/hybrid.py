@@ -6,11 +6,10 @@ The hybrid GDN/softmax reproduction of results/hybrid.md: static `G G G S` vs dy
   python experiments/hybrid.py train              # every run (a finished one, with a `done` file, is skipped)
   python experiments/hybrid.py table              # final val loss and GDN shares, and the GDN shares over training
 """
-import glob
 import os
 import statistics
 
-from compare import ROOT, evals, md_table, study_cli, train_run
+from compare import evals, finished, md_table, study_cli, train_run
 
 FLAGS = ("--model=hybrid --dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --block_size=128 --batch_size=8 "
          "--learning_rate=2e-3 --eval_iters=10 --log_interval=10").split()
@@ -31,10 +30,10 @@ def train(a):
 
 def table(a):
     import json
-    root, runs = os.path.join(ROOT, a.out), {}
-    for p in sorted(glob.glob(os.path.join(root, "*", "metrics.jsonl"))):
-        name, _, seed = os.path.basename(os.path.dirname(p)).rpartition("-s")
-        runs.setdefault(name, {})[int(seed)] = [json.loads(line) for line in open(p)]
+    (root, names), runs = finished(a.out, "train them with `python experiments/hybrid.py train`"), {}
+    for d in names:
+        name, _, seed = d.rpartition("-s")
+        runs.setdefault(name, {})[int(seed)] = [json.loads(line) for line in open(os.path.join(root, d, "metrics.jsonl"))]
     rows = []
     for name, seeds in runs.items():
         finals = []

@@ -9,7 +9,6 @@ skipped; --dry-run prints the commands); table commands read the runs' records.
   python experiments/tsa.py curve --seeds 1 | curve-table --png F # the proxy's calibrated phase per exec_share
   python experiments/tsa.py grid --model gpt|tsa --dropouts D --lrs LR  # dense GPT / TSA settings at the proxy
 """
-import argparse
 import dataclasses
 import itertools
 import json
@@ -21,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tsa.py, not this script
 import compare  # noqa: E402
-from compare import ROOT, evals, md_table, train_run  # noqa: E402
+from compare import ROOT, csv, evals, md_table, train_run  # noqa: E402
 
 SOFT = "--hard_ft_iters=0"  # the soft-only recipe (the paper's): these studies predate the default ST phase
 SMALL = ("--dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --block_size=128 --batch_size=16 "
@@ -199,6 +198,8 @@ def vs_dense(recs, pre, title):
 def table(a):
     """The tables of results/tsa.md's `study` and `budget` sections from `eval` records (JSON lines)."""
     recs = {os.path.basename(r["run"]): r for r in map(json.loads, open(a.records))}
+    if not recs:
+        raise compare.refusal(f"no records in {a.records}: write them with `python experiments/tsa.py eval`")
     tsa = {k: r for k, r in recs.items() if r.get("variant") == "tsa"}
     out = [line for pre, title in GROUPS.items() for line in vs_dense(recs, pre, title)]
     for pre, start in (("P_", "lam0.001"), ("D_", "lam0.001"), ("", "lam0.05")):  # continued straight-through
@@ -213,7 +214,7 @@ def table(a):
         out += [f"#### Straight-through hard-gate phase from {pre}{start}, {GROUPS[pre]}", "", md_table(rows, [
             "run", "soft model: soft val, soft α", "hard scaled val (vs soft model's soft)", "hard 01 val",
             "soft val after", "hard α (TLOps saved)", "densecont", "hard scaled vs densecont"])] if rows else []
-    out += ["#### Per-router active fraction (soft mean 1 − p_l / hard fraction executed)", "", md_table(
+    out += [] if not tsa else ["#### Per-router active fraction (soft mean 1 − p_l / hard fraction executed)", "", md_table(
         [[k] + [f"{s:.3f} / {h:.3f}" for s, h in zip(r["active"], r["hard_active"])] for k, r in tsa.items()],
         ["run"] + [f"r{l}" for l in range(max(len(r["active"]) for r in tsa.values()))]),
         "#### Sparse path check on trained routers", "", md_table(
@@ -258,20 +259,20 @@ def snapshot(a, s):
     import common
     os.makedirs(base, exist_ok=True)
     ckpt = os.path.join(base, "ckpt.pt")
-    if os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] < AT:
-        flags.append("--resume")
+    resume = os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] < AT
+    flags.append("--resume" if resume else "--overwrite")  # past AT without its snapshot: start over
     with open(base + ".log", "a") as log:
         p = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     while not (os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] >= AT):  # written atomically
         if p.poll() not in (None, 0):
-            raise SystemExit(f"soft_s{s} failed: see {base}.log")
+            raise common.NanorouteError(f"soft_s{s} failed: see {base}.log")
         time.sleep(1)
     if common.load_checkpoint(ckpt)["iter"] != AT:
-        raise SystemExit(f"soft_s{s} went past step {AT} before its checkpoint was copied")
+        raise common.NanorouteError(f"soft_s{s} went past step {AT} before its checkpoint was copied")
     shutil.rmtree(snap, ignore_errors=True)
     shutil.copytree(base, snap, ignore=lambda d, names: [n for n in names if n not in SNAP])
     if p.wait():
-        raise SystemExit(f"soft_s{s} failed: see {base}.log")
+        raise common.NanorouteError(f"soft_s{s} failed: see {base}.log")
     open(os.path.join(base, "done"), "w").close()
 
 
@@ -289,7 +290,7 @@ def branch(a, s, name, flags):
 def proxy(a):
     """results/tsa.md, "Paper preset, CPU proxy": soft_sS, then from step 708 the last 15% straight-through with the
     routers trained, frozen, or calibrated (the preset's), and the control softlr_sS (only the lr restart)."""
-    for b in a.branches.split(","):
+    for b in a.branches:
         branch(a, a.seed, f"{'softlr' if b == 'soft' else b}_s{a.seed}", [f"--hard_ft_routers={b}"])
 
 
@@ -298,12 +299,12 @@ MECHANISM = {"soft": "paper: soft training only", "train": "last 15% ST, routers
              "softlr": "control: soft training, the branches' lr schedule"}
 
 
-def references(root):
+def references(root, names):
     """seed -> final soft val of the paper's soft-only run (soft_sS) and of the control (softlr_sS)."""
     refs = {"soft": {}, "softlr": {}}
-    for d in os.listdir(root):
+    for d in names:
         kind, _, seed = d.rpartition("_s")
-        if kind in refs and os.path.exists(os.path.join(root, d, "done")):
+        if kind in refs:
             refs[kind][seed] = evals(os.path.join(root, d))[-1]["val_soft_loss"]
     return refs
 
@@ -312,9 +313,9 @@ def proxy_table(a):
     """Per run: best and last val (hard: the preset's "01" gates, what sparse inference runs), the soft pass on the
     same batches, hard − soft, hard against the paper's soft-only model and against the control of the same seed,
     and the share of token-layers really skipped."""
-    root, rows = os.path.join(ROOT, a.root), []
-    refs = references(root)
-    for d in sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "done"))):
+    (root, names), rows = compare.finished(a.root, "train them with `python experiments/tsa.py proxy --seed S`"), []
+    refs = references(root, names)
+    for d in names:
         kind, _, seed = d.rpartition("_s")
         if kind not in MECHANISM:
             continue
@@ -333,8 +334,8 @@ def proxy_table(a):
 def curve(a):
     """Per seed and share S, the 125-iteration branch with the routers calibrated to execute a share S of the routed
     token-layers (tsa.Config.exec_share), into share<S>_s<seed>."""
-    for s in map(int, a.seeds.split(",")):
-        for share in a.shares.split(","):
+    for s in a.seeds:
+        for share in a.shares:
             branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
 
 
@@ -344,28 +345,28 @@ def setting(run):
     return cfg["dropout"], cfg["learning_rate"]
 
 
-def final_runs(root, prefix):
+def final_runs(root, names, prefix):
     """The finished runs <prefix>*_sS: {(dropout, lr): {seed: final eval line}} and the run names."""
-    by, names = {}, []
-    for d in sorted(os.listdir(root)):
-        if d.startswith(prefix) and os.path.exists(os.path.join(root, d, "done")):
+    by, out = {}, []
+    for d in names:
+        if d.startswith(prefix):
             run, seed = os.path.join(root, d), d.rpartition("_s")[2]
             by.setdefault(setting(run), {})[seed] = evals(run)[-1]
-            names.append(d)
-    return by, names
+            out.append(d)
+    return by, out
 
 
 def curve_table(a):
     """One row per share (mean ± sd over seeds): hard val, soft val, hard against the soft-only model, the control
     (softlr) and the best dense GPT, token-layers, TLOps and FLOPs saved (hard); --png F draws hard val vs TLOps."""
-    root, by = os.path.join(ROOT, a.root), {}
-    refs, (dense, _) = references(root), final_runs(root, "dense_")
+    (root, names), by = compare.finished(a.root, "train them with `python experiments/tsa.py curve` and `grid`"), {}
+    refs, (dense, _) = references(root, names), final_runs(root, names, "dense_")
     dense = {k: {s: e["val_loss"] for s, e in v.items()} for k, v in dense.items()}    # setting -> {seed: val}
     best = min(dense, key=lambda k: compare.mean_sd(list(dense[k].values()))[0]) if dense else None
     refs["dense"] = dense.get(best, {})
-    for d in os.listdir(root):
+    for d in names:
         kind, _, seed = d.rpartition("_s")
-        if kind.startswith("share") and os.path.exists(os.path.join(root, d, "done")):
+        if kind.startswith("share"):
             by.setdefault(float(kind[5:]), []).append((seed, evals(os.path.join(root, d))[-1]))
     rows, pc = [], lambda xs, n=2, sign="+": mean_sd([100 * x for x in xs], n, sign) + "%"
     for share, runs in sorted(by.items()):
@@ -382,7 +383,7 @@ def curve_table(a):
                     for (do, lr), v in sorted(dense.items())], ["dense GPT", "seeds", "final val"]))
     print(f"best dense GPT: dropout {best[0]}, lr {best[1]:g}\n" if best else "")
     rows, points = [], []  # TSA's whole recipe at other settings (`grid --model tsa`)
-    for d in final_runs(root, "tsa_")[1]:
+    for d in final_runs(root, names, "tsa_")[1]:
         e, seed, (do, lr) = evals(os.path.join(root, d))[-1], d.rpartition("_s")[2], setting(os.path.join(root, d))
         same = dense.get((do, lr), {})
         points.append((f"TSA's whole recipe at dropout {do}, lr {lr:g}", 100 * e["val_tlops_saved_hard"], e["val_loss"]))
@@ -419,8 +420,8 @@ def grid(a):
     """At the proxy's size and budget, for every dropout × peak lr (min_lr = lr/10) and seed: the dense GPT (--model
     gpt: dense_do<D>_lr<LR>_sS) or TSA's whole paper-preset recipe at each exec_share, its straight-through phase
     restarting at that lr (--model tsa: tsa_do<D>_lr<LR>_share<S>_sS). curve-table lists them."""
-    shares = a.shares.split(",") if a.model == "tsa" else [""]
-    for do, lr, s, S in itertools.product(a.dropouts.split(","), a.lrs.split(","), a.seeds.split(","), shares):
+    shares = a.shares if a.model == "tsa" else [""]
+    for do, lr, s, S in itertools.product(a.dropouts, a.lrs, a.seeds, shares):
         flags = [f"--dropout={do}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}", f"--seed={s}"]
         if a.model == "gpt":
             train_run(os.path.join(a.out, f"dense_do{do}_lr{lr}_s{s}"), [*DENSE, *flags], dry=a.dry_run)
@@ -429,38 +430,45 @@ def grid(a):
                 *PROXY, *flags, f"--hard_ft_lr={lr}", f"--hard_ft_iters={N - AT}", f"--exec_share={S}"], dry=a.dry_run)
 
 
-COMMANDS = {"study": study, "budget": budget, "table": table, "eval": None, "proxy": proxy, "proxy-table": proxy_table,
-            "curve": curve, "curve-table": curve_table, "grid": grid}
+def evaluate(a):
+    for run in a.paths:
+        record(run, a.out, a.eval_iters, a.eval_seed)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+COMMANDS = {"study": study, "budget": budget, "table": table, "eval": evaluate, "proxy": proxy,
+            "proxy-table": proxy_table, "curve": curve, "curve-table": curve_table, "grid": grid}
+
+
+def main(argv=None):
+    p = compare.parser(__doc__)
     p.add_argument("cmd", choices=list(COMMANDS))
     p.add_argument("paths", nargs="*", help="table: the records file; eval: run dirs; *-table: the runs' dir")
     p.add_argument("--out", help="where the runs go (eval: the records file); default out/tsa, out/tsa_budget, "
                    "out/tsa_proxy")
     p.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
     p.add_argument("--seed", type=int, help="budget, proxy: the seed")
-    p.add_argument("--seeds", default="1,2,3", help="curve, grid")
+    p.add_argument("--seeds", type=csv(int), default=[1, 2, 3], help="curve, grid")
     p.add_argument("--model", choices=["gpt", "tsa"], default="gpt", help="grid")
-    p.add_argument("--branches", default="calibrate,soft,train,frozen", help="proxy")
-    p.add_argument("--shares", default="0.87,0.73,0.7,0.6,0.4,0.25",
+    p.add_argument("--branches", type=csv(str, ("calibrate", "soft", "train", "frozen")),
+                   default=["calibrate", "soft", "train", "frozen"], help="proxy")
+    p.add_argument("--shares", type=csv(float, keep=True), default="0.87,0.73,0.7,0.6,0.4,0.25".split(","),
                    help="curve: exec_share values (TLOps saved, measured: 8.6-40.4%%)")
-    p.add_argument("--dropouts", default="0.0,0.1,0.2", help="grid")
-    p.add_argument("--lrs", default="3e-4,1e-3", help="grid")
+    p.add_argument("--dropouts", type=csv(float, keep=True), default=["0.0", "0.1", "0.2"], help="grid")
+    p.add_argument("--lrs", type=csv(float, keep=True), default=["3e-4", "1e-3"], help="grid")
     p.add_argument("--eval_iters", type=int, default=30, help="eval")
     p.add_argument("--eval_seed", type=int, help="eval: another seed's fixed val batches (default the run's)")
     p.add_argument("--png", help="curve-table: also draw the curve into this PNG (needs matplotlib)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     a.out = a.out or {"study": "out/tsa", "budget": "out/tsa_budget"}.get(a.cmd, "out/tsa_proxy")
     a.records = a.root = a.paths[0] if a.paths else "out/tsa_proxy"
     if a.cmd in ("budget", "proxy") and a.seed is None:
         p.error(f"{a.cmd} needs --seed")
-    if a.cmd == "eval":
-        for run in a.paths:
-            record(run, a.out, a.eval_iters, a.eval_seed)
-    else:
-        COMMANDS[a.cmd](a)
+    if a.cmd in ("table", "eval") and not a.paths:
+        p.error(f"{a.cmd} needs " + ("a records file, e.g. results/tsa_small.jsonl" if a.cmd == "table" else
+                                     "run dirs and --out F.jsonl"))
+    if a.cmd == "eval" and not a.out.endswith(".jsonl"):
+        p.error("eval writes its records to --out F.jsonl")
+    compare.entry(COMMANDS[a.cmd], a)
 
 
 if __name__ == "__main__":
