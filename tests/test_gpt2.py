@@ -1,7 +1,7 @@
 """--init_from GPT-2. A small random GPT-2, built and saved by Hugging Face `transformers` (a
 test-only dependency), served from 127.0.0.1 as the Hub serves it and loaded through --init_from,
 computes what `transformers` computes: the same logits (fp32, <= 1e-5) and the same greedy tokens,
-for the dense GPT and for every router on GPT-2 blocks with its routers forced to run every token."""
+for the dense GPT and every router on GPT-2 blocks with its routers forced to run every token."""
 import functools
 import http.server
 import json
@@ -168,6 +168,31 @@ def test_position_embeddings_cropped_and_checkpoints_checked(hf, tmp_path):
     json.dump(dict(cfg, activation_function="relu"), open(bad / "config.json", "w"))
     with pytest.raises(common.NanorouteError, match="activation_function 'relu' is not GPT-2's"):
         common.gpt2_config(str(bad))
+
+
+def test_the_hubs_layout_and_every_float_dtype(hf, tmp_path):
+    """The Hub's gpt2 files predate `transformer.`-prefixed names and keep the causal-mask buffers
+    (h.<i>.attn.bias, attn.masked_bias): both layouts give the same state dict. The reader gives
+    back what the reference writer (the safetensors package) wrote, in each float dtype."""
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    folder, _ = hf
+    tensors = common.read_safetensors(os.path.join(folder, "model.safetensors"))
+    old = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    for i in range(N_LAYER):
+        old[f"h.{i}.attn.bias"] = torch.ones(1, 1, N_POS, N_POS).tril()
+        old[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    hub_like = tmp_path / "hub-like"
+    shutil.copytree(folder, hub_like)
+    save_file(old, str(hub_like / "model.safetensors"))
+    want, got = common.gpt2_state_dict(folder, N_LAYER, N_POS), common.gpt2_state_dict(
+        str(hub_like), N_LAYER, N_POS)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    g = torch.Generator().manual_seed(0)
+    mixed = {f"t_{dt}": torch.randn(3, 5, generator=g).to(dt)
+             for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+    save_file(mixed, str(tmp_path / "mixed.safetensors"))
+    back = common.read_safetensors(str(tmp_path / "mixed.safetensors"))
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in mixed.items())
 
 
 # --------------------------------------------------------------------------------------------------
