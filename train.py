@@ -276,9 +276,10 @@ def start_from(cfg, module, meta, master=True, ddp=False):
     if gpt2 and os.path.isfile(os.path.join(src, "ckpt.pt")):
         raise NanorouteError(f"--init_from {src} is a run: pass {os.path.join(src, 'ckpt.pt')}")
     if gpt2 and cfg.model == "hybrid":
-        raise NanorouteError("--model hybrid cannot start from GPT-2: its Gated DeltaNet and "
-                             "routed layers have no GPT-2 weights, and GPT-2's layers work only "
-                             "together")
+        raise NanorouteError("--model hybrid cannot start from GPT-2: its Gated DeltaNet layers "
+                             "have no GPT-2 weights, and GPT-2 with random mixers in place of its "
+                             "attention is no trained model (route GPT-2 with tsa, dtrnet or "
+                             "conddepth, or train the hybrid from scratch)")
     if gpt2 and getattr(cfg, "norm", "layernorm") != "layernorm":
         raise NanorouteError(f"--norm={cfg.norm} cannot load GPT-2, whose blocks use LayerNorm")
     if gpt2 and meta.get("encoding") != "r50k_base":
