@@ -45,11 +45,14 @@ def hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub(hf):
-    """A Hub on 127.0.0.1 serving <url>/gpt2/resolve/main/{config.json, model.safetensors}.
-    Yields (url, the paths it was asked for)."""
+    """A Hub on 127.0.0.1 serving <url>/gpt2/resolve/main/{config.json, model.safetensors}, the
+    weights through a redirect as the Hub does (to its CDN). Yields (url, the paths asked for)."""
     root = os.path.join(os.path.dirname(hf[0]), "hub")
     os.makedirs(os.path.join(root, "gpt2", "resolve"))
     shutil.copytree(hf[0], os.path.join(root, "gpt2", "resolve", "main"))
+    os.makedirs(os.path.join(root, "cdn"))
+    os.replace(os.path.join(root, "gpt2", "resolve", "main", "model.safetensors"),
+               os.path.join(root, "cdn", "model.safetensors"))
     asked = []
 
     class Handler(http.server.SimpleHTTPRequestHandler):
@@ -58,6 +61,11 @@ def hub(hf):
 
         def do_GET(self):
             asked.append(self.path)
+            if self.path == "/gpt2/resolve/main/model.safetensors":
+                self.send_response(302)
+                self.send_header("Location", "/cdn/model.safetensors")
+                self.end_headers()
+                return
             super().do_GET()
 
     handler = functools.partial(Handler, directory=root)
@@ -146,9 +154,10 @@ def test_download_once_into_the_cache(hub, tmp_path, monkeypatch):
     folder = common.gpt2_folder("gpt2", str(tmp_path))
     assert folder == os.path.join(str(tmp_path), "hf", "gpt2")
     assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]  # no .part left
-    assert sorted(hub[1]) == [f"/gpt2/resolve/main/{f}" for f in common.HF_FILES]
+    cdn = ["/cdn/model.safetensors"]  # the weights' redirect, followed
+    assert hub[1] == [f"/gpt2/resolve/main/{f}" for f in common.HF_FILES] + cdn
     common.gpt2_folder("gpt2", str(tmp_path))
-    assert len(hub[1]) == 2  # cached: not asked again
+    assert len(hub[1]) == 3  # cached: not asked again
 
 
 def test_position_embeddings_cropped_and_checkpoints_checked(hf, tmp_path):
