@@ -307,9 +307,9 @@ def train(cfg, module, mode="new"):
     if ddp:
         torch.distributed.barrier()
         meta = common.load_meta(cfg.dataset, cfg.data_dir)
-    init = common.load_checkpoint(cfg.init_from) if cfg.init_from else None
-    if init is not None:  # start from another run's weights; its architecture wins
-        cfg = dataclasses.replace(cfg, **{k: init["config"][k] for k in common.ARCH_FIELDS if k in init["config"]})
+    init = None
+    if cfg.init_from:  # another run's or GPT-2's weights, and their architecture
+        cfg, init = start_from(cfg, module, meta, master, ddp)
     cfg = resolve(cfg, meta)
     check_fits(cfg, meta, module, device)
     refused = getattr(module, "COMPILE_REFUSED", {}).get(device.type)  # device type -> why compile is refused there
@@ -323,13 +323,15 @@ def train(cfg, module, mode="new"):
     model = build(module, cfg).to(device)
     if init is not None:
         try:
-            missing, unexpected = model.load_state_dict(init["model"], strict=False)
+            missing, unexpected = model.load_state_dict(init, strict=False)
         except RuntimeError as e:
             raise NanorouteError(f"--init_from {cfg.init_from} does not fit --model {cfg.model}: "
                                  f"{str(e).splitlines()[1].strip()}")
         if unexpected:
             raise NanorouteError(f"--init_from {cfg.init_from} has weights --model {cfg.model} lacks: {unexpected[:3]}")
-        log(f"init from {cfg.init_from}: {len(missing)} new tensors")
+        fresh = sorted({f"blocks.*.{k.split('.')[2]}" if k.startswith("blocks.") else
+                        k.split(".")[0] for k in missing})  # routers, gates, cheap FFNs
+        log(f"init from {cfg.init_from}: {len(missing)} new tensors ({', '.join(fresh) or 'none'})")
     optimizer = common.make_optimizer(model, cfg, device)
     start, best_val = 0, float("inf")
     if ckpt is not None:
@@ -425,6 +427,60 @@ def train(cfg, module, mode="new"):
         log(f"done in {_duration(time.time() - t0)}; best val loss {best_val:.4f}")
         summary(raw_model, cfg, meta, val_data, device, metrics_path)
     return best_val
+
+
+def start_from(cfg, module, meta, master=True, ddp=False):
+    """--init_from -> (cfg with the checkpoint's architecture, its state dict). The checkpoint is
+    another run's ckpt.pt, or a Hugging Face GPT-2: a Hub name (downloaded once into data/hf/NAME/)
+    or a folder holding config.json + model.safetensors. A flag that contradicts the checkpoint is
+    refused: a value other than the model's default (given, or set by a preset) was asked for."""
+    src, gpt2 = cfg.init_from, common.is_hf_gpt2(cfg.init_from)
+    if gpt2 and os.path.isfile(os.path.join(src, "ckpt.pt")):
+        raise NanorouteError(f"--init_from {src} is a run: pass {os.path.join(src, 'ckpt.pt')}")
+    if gpt2 and cfg.model == "hybrid":
+        raise NanorouteError("--model hybrid cannot start from GPT-2: its Gated DeltaNet layers "
+                             "have no GPT-2 weights, and GPT-2 with random mixers in place of its "
+                             "attention is no trained model (route GPT-2 with tsa, dtrnet or "
+                             "conddepth, or train the hybrid from scratch)")
+    if gpt2 and getattr(cfg, "norm", "layernorm") != "layernorm":
+        raise NanorouteError(f"--norm={cfg.norm} cannot load GPT-2, whose blocks use LayerNorm")
+    if gpt2 and meta.get("encoding") != "r50k_base":
+        raise NanorouteError(f"GPT-2 reads GPT-2's BPE tokens; --dataset {cfg.dataset} has a "
+                             f"vocabulary of {meta['vocab_size']} {meta.get('unit', 'token')}s: use "
+                             "--dataset shakespeare_bpe")
+
+    def fetch(files):  # rank 0 downloads, the others wait for its files
+        folder = common.gpt2_folder(src, cfg.data_dir, files if master else ())
+        if ddp:
+            torch.distributed.barrier()
+        return folder
+
+    if gpt2:
+        arch, ckpt = common.gpt2_config(fetch(common.HF_FILES[:1])), None  # config.json: small
+    else:
+        ckpt = common.load_checkpoint(src)
+        arch = {k: ckpt["config"][k] for k in common.ARCH_FIELDS if k in ckpt["config"]}
+    if arch.get("vocab_size", meta["vocab_size"]) != meta["vocab_size"]:
+        raise NanorouteError(f"--init_from {src} has a vocabulary of {arch['vocab_size']}, "
+                             f"--dataset {cfg.dataset} one of {meta['vocab_size']}: use the "
+                             "dataset it learned")
+    defaults = {f.name: f.default for f in dataclasses.fields(module.Config)}
+    if gpt2:  # the run's block_size stays: GPT-2's positions may be cropped (as nanoGPT does)
+        n_pos = arch.pop("block_size")
+        if cfg.block_size > n_pos:
+            raise NanorouteError(f"--block_size={cfg.block_size} is longer than {src}'s {n_pos} "
+                                 "positions")
+        if cfg.block_size < n_pos and master:
+            print(f"note: block_size {cfg.block_size} keeps the first {cfg.block_size} of {src}'s "
+                  f"{n_pos} positions (--block_size={n_pos} for all of them)")
+    for k, v in arch.items():
+        if k != "vocab_size" and getattr(cfg, k) not in (v, defaults[k]):
+            raise NanorouteError(f"--init_from {src} has {k}={v}, but this run asks for "
+                                 f"{k}={getattr(cfg, k)}: drop --{k} (or the --preset setting it)")
+    cfg = dataclasses.replace(cfg, **arch)
+    if not gpt2:
+        return cfg, ckpt["model"]
+    return cfg, common.gpt2_state_dict(fetch(common.HF_FILES), cfg.n_layer, cfg.block_size)
 
 
 def _duration(sec):

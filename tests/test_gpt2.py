@@ -1,0 +1,264 @@
+"""--init_from GPT-2. A small random GPT-2, built and saved by Hugging Face `transformers` (a
+test-only dependency), served from 127.0.0.1 as the Hub serves it and loaded through --init_from,
+computes what `transformers` computes: the same logits (fp32, <= 1e-5) and the same greedy tokens,
+for the dense GPT and every router on GPT-2 blocks with its routers forced to run every token."""
+import functools
+import http.server
+import json
+import math
+import os
+import shutil
+import socket
+import threading
+
+import pytest
+import torch
+
+import common
+import conddepth
+import dtrnet
+import train
+import tsa
+
+transformers = pytest.importorskip("transformers")
+
+N_LAYER, N_EMBD, N_HEAD, N_POS, VOCAB = 3, 64, 4, 128, 50257  # 3 layers: DTRNet's bilayer is TDT
+MODULES = {"gpt": common, "tsa": tsa, "dtrnet": dtrnet, "conddepth": conddepth}
+BPE = {"dataset": "shakespeare_bpe", "vocab_size": VOCAB, "encoding": "r50k_base", "unit": "token"}
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """(folder of the saved checkpoint, the transformers model in eval mode). Every parameter is
+    random, biases and LayerNorms too: a tensor loaded into the wrong place changes the logits."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, n_positions=N_POS,
+                                  vocab_size=VOCAB, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02))
+    folder = str(tmp_path_factory.mktemp("hf") / "tiny-gpt2")
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def hub(hf):
+    """A Hub on 127.0.0.1 serving <url>/gpt2/resolve/main/{config.json, model.safetensors}, the
+    weights through a redirect as the Hub does (to its CDN). Yields (url, the paths asked for)."""
+    root = os.path.join(os.path.dirname(hf[0]), "hub")
+    os.makedirs(os.path.join(root, "gpt2", "resolve"))
+    shutil.copytree(hf[0], os.path.join(root, "gpt2", "resolve", "main"))
+    os.makedirs(os.path.join(root, "cdn"))
+    os.replace(os.path.join(root, "gpt2", "resolve", "main", "model.safetensors"),
+               os.path.join(root, "cdn", "model.safetensors"))
+    asked = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def do_GET(self):
+            asked.append(self.path)
+            if self.path == "/gpt2/resolve/main/model.safetensors":
+                self.send_response(302)
+                self.send_header("Location", "/cdn/model.safetensors")
+                self.end_headers()
+                return
+            super().do_GET()
+
+    handler = functools.partial(Handler, directory=root)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("NO_PROXY", "no_proxy"):  # a machine's proxy must not take the local calls
+            mp.setenv(name, "127.0.0.1")
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    server.shutdown()
+    server.server_close()
+
+
+def closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load(name, init_from, data_dir, **flags):
+    """The model train.py builds for --model name --init_from init_from, its weights loaded."""
+    module = MODULES[name]
+    cfg = module.Config(model=name, dataset="shakespeare_bpe", init_from=init_from,
+                        data_dir=data_dir, **flags)
+    cfg, sd = train.start_from(cfg, module, BPE)
+    model = train.build(module, cfg)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected
+    return model, missing
+
+
+@torch.no_grad()
+def force_every_token(model):
+    """Routers that run every token: TSA's halting probability p = σ(−200) = 0 (gate 1 − p = 1),
+    DTRNet's g_attn = softmax([100, −100])₀ = 1 (attention), conddepth's θ = −∞ (the full FFN)."""
+    name = model.cfg.model
+    if name == "tsa":
+        for r in model.routers:
+            r.fc2.weight.zero_()
+            r.fc2.bias.fill_(-200.0)
+    elif name == "dtrnet":
+        for b in model.blocks:
+            if isinstance(b, dtrnet.DTRBlock):
+                b.router.w2.weight.zero_()
+                b.router.w2.bias.copy_(torch.tensor([100.0, -100.0]))
+    elif name == "conddepth":
+        model.thresholds.fill_(-math.inf)
+    return model.eval()
+
+
+FRESH = {"gpt": set(), "tsa": {"routers"}, "dtrnet": {"router"},
+         "conddepth": {"cheap", "gates", "thresholds", "threshold_batches"}}  # what is not GPT-2's
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+@pytest.mark.parametrize("source", ["hub", "folder"])
+def test_logits_and_greedy_tokens_equal_transformers(hf, hub, tmp_path, monkeypatch, name, source):
+    folder, ref = hf
+    monkeypatch.setenv("NANOROUTE_HF_URL", hub[0])
+    model, missing = load(name, "gpt2" if source == "hub" else folder, str(tmp_path),
+                          block_size=N_POS)
+    c = model.cfg
+    assert (c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size, c.bias, c.gelu) == \
+        (N_LAYER, N_HEAD, N_EMBD, N_POS, VOCAB, True, "tanh")
+    fresh = {k.split(".")[2] if k.startswith("blocks.") else k.split(".")[0] for k in missing}
+    assert fresh == FRESH[name], fresh
+    force_every_token(model)
+    idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(idx).logits                                   # (B, T, V)
+        err = (model(idx)[0] - want).abs().max()
+        assert err <= 1e-5, err
+        if name != "gpt":                                        # the sparse path: the same logits
+            err = (model(idx, sparse=True)[0] - want).abs().max()
+            assert err <= 1e-5, err
+    prompt = idx[:1, :8]
+    ours = model.generate(prompt, 16, temperature=0)             # cached greedy decoding
+    theirs = ref.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1,
+                          attention_mask=torch.ones_like(prompt))
+    assert torch.equal(ours, theirs), (ours, theirs)
+
+
+def test_download_once_into_the_cache(hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOROUTE_HF_URL", hub[0] + "/")
+    hub[1].clear()
+    folder = common.gpt2_folder("gpt2", str(tmp_path))
+    assert folder == os.path.join(str(tmp_path), "hf", "gpt2")
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]  # no .part left
+    cdn = ["/cdn/model.safetensors"]  # the weights' redirect, followed
+    assert hub[1] == [f"/gpt2/resolve/main/{f}" for f in common.HF_FILES] + cdn
+    common.gpt2_folder("gpt2", str(tmp_path))
+    assert len(hub[1]) == 3  # cached: not asked again
+
+
+def test_position_embeddings_cropped_and_checkpoints_checked(hf, tmp_path):
+    folder, ref = hf
+    sd = common.gpt2_state_dict(folder, N_LAYER, 32)
+    assert torch.equal(sd["wpe.weight"], ref.transformer.wpe.weight[:32])
+    assert sd["lm_head.weight"] is sd["wte.weight"]
+    with pytest.raises(common.NanorouteError, match="not hold a 4-layer GPT-2: no blocks.3"):
+        common.gpt2_state_dict(folder, N_LAYER + 1, 32)
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(bad / "model.safetensors") - 4)
+    with pytest.raises(common.NanorouteError, match="not a readable safetensors file"):
+        common.gpt2_state_dict(str(bad), N_LAYER, 32)
+    cfg = json.load(open(bad / "config.json"))
+    json.dump(dict(cfg, activation_function="relu"), open(bad / "config.json", "w"))
+    with pytest.raises(common.NanorouteError, match="activation_function 'relu' is not GPT-2's"):
+        common.gpt2_config(str(bad))
+
+
+def test_the_hubs_layout_and_every_float_dtype(hf, tmp_path):
+    """The Hub's gpt2 files predate `transformer.`-prefixed names and keep the causal-mask buffers
+    (h.<i>.attn.bias, attn.masked_bias): both layouts give the same state dict. The reader gives
+    back what the reference writer (the safetensors package) wrote, in each float dtype."""
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    folder, _ = hf
+    tensors = common.read_safetensors(os.path.join(folder, "model.safetensors"))
+    old = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    for i in range(N_LAYER):
+        old[f"h.{i}.attn.bias"] = torch.ones(1, 1, N_POS, N_POS).tril()
+        old[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    hub_like = tmp_path / "hub-like"
+    shutil.copytree(folder, hub_like)
+    save_file(old, str(hub_like / "model.safetensors"))
+    want, got = common.gpt2_state_dict(folder, N_LAYER, N_POS), common.gpt2_state_dict(
+        str(hub_like), N_LAYER, N_POS)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    g = torch.Generator().manual_seed(0)
+    mixed = {f"t_{dt}": torch.randn(3, 5, generator=g).to(dt)
+             for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+    save_file(mixed, str(tmp_path / "mixed.safetensors"))
+    back = common.read_safetensors(str(tmp_path / "mixed.safetensors"))
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in mixed.items())
+
+
+# --------------------------------------------------------------------------------------------------
+# train.py from GPT-2 runs for every model on GPT-2 blocks; what cannot work is refused in one line
+
+RUN = ["--dataset=shakespeare_bpe", "--max_iters=2", "--eval_interval=2", "--eval_iters=1",
+       "--batch_size=2", "--block_size=32", "--log_interval=1"]
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_train_runs_from_a_local_gpt2(hf, data_dir, tmp_path, name, capsys):
+    out = str(tmp_path / name)
+    best = train.main([f"--model={name}", f"--init_from={hf[0]}", f"--data_dir={data_dir}",
+                       f"--out_dir={out}", *RUN])
+    assert math.isfinite(best)
+    saved = json.load(open(os.path.join(out, "config.json")))
+    arch = dict(n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD, vocab_size=VOCAB, block_size=32,
+                bias=True, gelu="tanh")
+    assert {k: saved[k] for k in arch} == arch
+    log = capsys.readouterr().out
+    assert "note: block_size 32 keeps the first 32 of" in log and f"init from {hf[0]}" in log
+
+
+BPE_RUN = "--dataset=shakespeare_bpe"
+OFFLINE = ("could not download http://127.0.0.1:{port}/gpt2-medium/resolve/main/config.json "
+           "(ConnectionError); download config.json and model.safetensors from "
+           "http://127.0.0.1:{port}/gpt2-medium/resolve/main/ into {data_dir}/hf/gpt2-medium/")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--model=gpt", "--init_from=gpt2-medium", "--dataset=shakespeare"],
+     "GPT-2 reads GPT-2's BPE tokens; --dataset shakespeare has a vocabulary of 65 chars"),
+    (["--model=gpt", "--init_from={folder}", BPE_RUN, "--n_layer=4"],
+     "has n_layer=3, but this run asks for n_layer=4: drop --n_layer"),
+    (["--model=tsa", "--init_from={folder}", BPE_RUN, "--n_embd=128", "--n_head=4"],
+     "has n_embd=64, but this run asks for n_embd=128"),
+    (["--model=conddepth", "--init_from={folder}", BPE_RUN, "--preset=classroom"],
+     "asks for n_layer=4: drop --n_layer (or the --preset setting it)"),
+    (["--model=gpt", "--init_from={folder}", BPE_RUN, "--block_size=256"],
+     "--block_size=256 is longer than"),
+    (["--model=hybrid", "--init_from={folder}", BPE_RUN], "--model hybrid cannot start from GPT-2"),
+    (["--model=dtrnet", "--init_from={folder}", BPE_RUN, "--norm=rmsnorm"],
+     "--norm=rmsnorm cannot load GPT-2"),
+    (["--model=gpt", "--init_from=gpt2-medium", BPE_RUN], OFFLINE),
+], ids=["char-data", "n_layer", "n_embd", "preset", "block_size", "hybrid", "rmsnorm", "offline"])
+def test_refused_in_one_line_before_any_work(hf, data_dir, tmp_path, monkeypatch, capsys, flags,
+                                             says):
+    port = closed_port()
+    monkeypatch.setenv("NANOROUTE_HF_URL", f"http://127.0.0.1:{port}")  # nothing listens: offline
+    monkeypatch.setattr(common.time, "sleep", lambda s: None)  # download's back-off between tries
+    out = str(tmp_path / "run")
+    fill = dict(folder=hf[0], port=port, data_dir=data_dir)
+    with pytest.raises(SystemExit) as e:
+        train.main([f.format(**fill) for f in flags] + [f"--data_dir={data_dir}",
+                                                         f"--out_dir={out}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert says.format(**fill) in err, err
+    assert not os.path.exists(out)  # nothing written
+    assert not os.path.exists(os.path.join(data_dir, "hf", "gpt2-medium", "config.json"))
