@@ -4,16 +4,18 @@ Train any nanoroute model on any dataset.
   python train.py --model tsa --dataset shakespeare
   python train.py --model dtrnet --dataset shakespeare --preset paper --max_iters=500
   python train.py --model gpt --dataset shakespeare --resume          # continue out/gpt-shakespeare
-  torchrun --standalone --nproc_per_node=2 train.py --model gpt       # DDP (gloo on CPU, nccl on CUDA)
-  python train.py --model tsa --preset classroom                       # ~3 minutes on a laptop CPU
-  python train.py --sample out/tsa-shakespeare --prompt "ROMEO:" --num_tokens 300 --temperature 0.8 --top_k 200
+  torchrun --standalone --nproc_per_node=2 train.py --model gpt  # DDP (gloo on CPU, nccl on CUDA)
+  python train.py --model tsa --preset classroom                  # ~3 minutes on a laptop CPU
+  python train.py --sample out/tsa-shakespeare --prompt "ROMEO:" --num_tokens 300 \
+      --temperature 0.8 --top_k 200
 
-Every Config field is a flag (--key=value or --key value); the model file's Config has the defaults and
-its PRESETS dict the named presets. Order: defaults < preset < flags. Each eval writes one JSON line to
-out/<run>/metrics.jsonl and an atomic checkpoint (ckpt.pt: the latest, for --resume; best.pt: the weights
-with the best val loss); --resume continues exactly where the last one left off. The run ends with a
-summary: hard (what inference runs) vs soft loss, vs a dense GPT of the same preset in out/, work really
-skipped per layer, sparse vs dense speed measured on the spot, the routing picture, and a sample.
+Every Config field is a flag (--key=value or --key value); the model file's Config has the defaults
+and its PRESETS dict the named presets. Order: defaults < preset < flags. Each eval writes one JSON
+line to out/<run>/metrics.jsonl and an atomic checkpoint (ckpt.pt: the latest, for --resume;
+best.pt: the weights with the best val loss); --resume continues exactly where the last one left
+off. The run ends with a summary: hard (what inference runs) vs soft loss, vs a dense GPT of the
+same preset in out/, work really skipped per layer, sparse vs dense speed measured on the spot, the
+routing picture, and a sample.
 """
 import dataclasses
 import html
@@ -34,25 +36,30 @@ import torch
 import common
 from common import NanorouteError
 
-MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "conddepth", "hybrid": "hybrid_attn"}
-RUN_FILES = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")  # an out_dir with one of these holds a run
-OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")       # what --overwrite removes
+MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "conddepth",
+          "hybrid": "hybrid_attn"}
+# an out_dir with one of these holds a run
+RUN_FILES = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")
+OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")  # what --overwrite removes
 FLAGS = {  # the flags that are not Config fields: default, one line of help
     "model": ("gpt", "the model: " + ", ".join(MODELS)),
     "dataset": ("shakespeare", "the data: " + ", ".join(common.DATASETS)),
     "preset": ("", "named settings of the model (listed below); defaults < preset < flags"),
     "resume": (False, "continue the run in out_dir from its ckpt.pt (same model, data and sizes)"),
-    "overwrite": (False, "start over in an out_dir that holds a run: first removes its " + ", ".join(OUTPUTS)),
+    "overwrite": (False, "start over in an out_dir that holds a run: first removes its "
+                  + ", ".join(OUTPUTS)),
 }
-GROUPS = {"run": ("model", "preset", "resume", "overwrite", "out_dir", "init_from", "device", "compile", "seed",
-                  "eval_interval", "eval_iters", "eval_seed", "log_interval"),
+# --help's groups of flags; the rest of common.Config: "model"
+GROUPS = {"run": ("model", "preset", "resume", "overwrite", "out_dir", "init_from", "device",
+                  "compile", "seed", "eval_interval", "eval_iters", "eval_seed", "log_interval"),
           "data": ("dataset", "data_dir"),
-          "optimisation": ("max_iters", "batch_size", "learning_rate", "min_lr", "warmup_iters", "weight_decay",
-                           "beta1", "beta2", "grad_clip")}  # the rest of common.Config: "model"
+          "optimisation": ("max_iters", "batch_size", "learning_rate", "min_lr", "warmup_iters",
+                           "weight_decay", "beta1", "beta2", "grad_clip")}
 
 
 def parse_value(name, typ, text):
-    """A flag's text -> typ; a bare --name (text None) is True for a bool, a one-line error for the rest."""
+    """A flag's text -> typ; a bare --name (text None) is True for a bool, a one-line error for the
+    rest."""
     if text is None and typ is not bool:
         raise NanorouteError(f"--{name} needs a value")
     if typ is bool:
@@ -73,13 +80,14 @@ def parse_value(name, typ, text):
 
 
 def split_flags(argv, may_be_empty=()):
-    """['--a=1', '--b', '2', '--c'] -> {'a': '1', 'b': '2', 'c': None}; a stray word, an empty value (but for the
-    flags in may_be_empty) or a flag given twice is a one-line error."""
+    """['--a=1', '--b', '2', '--c'] -> {'a': '1', 'b': '2', 'c': None}; a stray word, an empty value
+    (but for the flags in may_be_empty) or a flag given twice is a one-line error."""
     flags, i = {}, 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise NanorouteError(f"unexpected argument {arg!r}; flags look like --key=value (see --help)")
+            raise NanorouteError(f"unexpected argument {arg!r}; "
+                                 "flags look like --key=value (see --help)")
         key, eq, val = arg[2:].partition("=")
         if not eq:  # --key value, or a bare boolean --key
             has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
@@ -95,17 +103,19 @@ def split_flags(argv, may_be_empty=()):
 
 
 def parse_args(argv):
-    """argv -> (Config, model module, mode: "new", "resume" or "overwrite"). Unknown keys and bad values are
-    one-line errors."""
+    """argv -> (Config, model module, mode: "new", "resume" or "overwrite"). Unknown keys and bad
+    values are one-line errors."""
     opts = split_flags(argv)
     name, module = model_module(opts.pop("model", "gpt"))
     dataset = opts.pop("dataset", None) or "shakespeare"
     if dataset not in common.DATASETS:
-        raise NanorouteError(f"unknown dataset {dataset!r}; choose one of {', '.join(common.DATASETS)}")
+        raise NanorouteError(f"unknown dataset {dataset!r}; "
+                             f"choose one of {', '.join(common.DATASETS)}")
     resume = parse_value("resume", bool, opts.pop("resume", "false"))
     overwrite = parse_value("overwrite", bool, opts.pop("overwrite", "false"))
     if resume and overwrite:
-        raise NanorouteError("--resume continues the run in out_dir, --overwrite removes it: give one of them")
+        raise NanorouteError("--resume continues the run in out_dir, --overwrite removes it: "
+                             "give one of them")
     preset, presets = opts.pop("preset", None), getattr(module, "PRESETS", {})
     if preset is not None and preset not in presets:
         raise NanorouteError(f"unknown preset {preset!r} for --model {name}; choose one of "
@@ -114,10 +124,12 @@ def parse_args(argv):
     fields = {f.name: f for f in dataclasses.fields(module.Config)}
     for key, val in opts.items():
         if key not in fields or key in FLAGS:
-            raise NanorouteError(f"unknown option --{key}; valid: --{', --'.join(list(FLAGS) + sorted(set(fields) - set(FLAGS)))}")
+            valid = list(FLAGS) + sorted(set(fields) - set(FLAGS))
+            raise NanorouteError(f"unknown option --{key}; valid: --{', --'.join(valid)}")
         values[key] = parse_value(key, fields[key].type, val)
     values.update(model=name, dataset=dataset)
-    return module.Config(**values), module, "resume" if resume else "overwrite" if overwrite else "new"
+    mode = "resume" if resume else "overwrite" if overwrite else "new"
+    return module.Config(**values), module, mode
 
 
 def model_module(name):
@@ -127,33 +139,42 @@ def model_module(name):
 
 
 def field_help(cls):
-    """Field name -> its one line of help: the trailing comment of its line in the Config classes (a subclass's
-    comment wins; a field a subclass redefines without one keeps its base's)."""
+    """Field name -> its one line of help: the trailing comment of its line in the Config classes (a
+    subclass's comment wins; a field a subclass redefines without one keeps its base's)."""
     out = {}
     for c in reversed(cls.__mro__):
         if dataclasses.is_dataclass(c):
-            for key, text in re.findall(r"^    (\w+): [^\n=]+=[^\n#]*#\s*(.*)$", inspect.getsource(c), re.M):
+            commented = r"^    (\w+): [^\n=]+=[^\n#]*#\s*(.*)$"
+            for key, text in re.findall(commented, inspect.getsource(c), re.M):
                 out[key] = text
     return out
 
 
 def show(value):
-    return str(value).lower() if isinstance(value, bool) else shlex.quote(str(value)) if value != "" else "''"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return shlex.quote(str(value)) if value != "" else "''"
 
 
 def print_help(argv):
-    """python train.py [--model M] --help: the flags of that model, grouped, with defaults and one line each."""
+    """python train.py [--model M] --help: the flags of that model, grouped, with defaults and one
+    line each."""
     name, module = model_module(split_flags(argv).get("model") or "gpt")
     cfg, helps = module.Config(), field_help(module.Config)
-    own = [f.name for f in dataclasses.fields(cfg) if f.name not in {g.name for g in dataclasses.fields(common.Config)}
-           and f.name not in FLAGS]
+    common_fields = {g.name for g in dataclasses.fields(common.Config)}
+    own = [f.name for f in dataclasses.fields(cfg)
+           if f.name not in common_fields and f.name not in FLAGS]
     shown = set(FLAGS) | set(own) | {k for g in GROUPS.values() for k in g}
-    groups = {**GROUPS, "model (every model)": [f.name for f in dataclasses.fields(cfg) if f.name not in shown]}
+    rest = [f.name for f in dataclasses.fields(cfg) if f.name not in shown]
+    groups = {**GROUPS, "model (every model)": rest}
     if own:
         groups[f"--model {name} ({MODELS[name]}.py's Config)"] = own
-    print("usage: python train.py [--model M] [--dataset D] [--preset P] [--resume | --overwrite] [--key=value ...]\n"
-          "       python train.py --sample RUN_DIR [--prompt TEXT] ...  (python train.py --sample --help)\n"
-          f"       python train.py --model M --help  (that model's own flags)\n\n{__doc__.strip().split(chr(10))[0]}"
+    print("usage: python train.py [--model M] [--dataset D] [--preset P] [--resume | --overwrite] "
+          "[--key=value ...]\n"
+          "       python train.py --sample RUN_DIR [--prompt TEXT] ...  "
+          "(python train.py --sample --help)\n"
+          "       python train.py --model M --help  (that model's own flags)\n\n"
+          f"{__doc__.strip().split(chr(10))[0]}"
           "\nEvery flag is --key=value or --key value; a bool alone (--compile) is true.")
     for title, keys in groups.items():
         print(f"\n{title}:")
@@ -179,44 +200,56 @@ def resolve(cfg, meta):
     changes = {"vocab_size": meta["vocab_size"], "out_dir": out_dir_of(cfg)}
     if "record_len" in meta and cfg.block_size != meta["record_len"] - 1:
         changes["block_size"] = meta["record_len"] - 1
-        print(f"note: {cfg.dataset} trains on whole records: block_size {cfg.block_size} -> {changes['block_size']}")
+        print(f"note: {cfg.dataset} trains on whole records: "
+              f"block_size {cfg.block_size} -> {changes['block_size']}")
     return dataclasses.replace(cfg, **changes)
 
 
 def check_fits(cfg, meta, module, device):
-    """Refuse, before anything is written, windows the data cannot hold and a model the memory cannot."""
+    """Refuse, before anything is written, windows the data cannot hold and a model the memory
+    cannot."""
     val_tokens = meta.get("val_tokens", 0)
     if "record_len" not in meta and 2 * cfg.block_size > val_tokens:
-        raise NanorouteError(f"block_size={cfg.block_size} is more than half of {cfg.dataset}'s validation split "
-                             f"({val_tokens:,} tokens): too few distinct windows to evaluate on")
+        raise NanorouteError(f"block_size={cfg.block_size} is more than half of {cfg.dataset}'s "
+                             f"validation split ({val_tokens:,} tokens): too few distinct windows "
+                             "to evaluate on")
     if device.type == "cuda":
-        limit, where = 0.9 * torch.cuda.get_device_properties(device).total_memory, "this GPU's memory"
+        total = torch.cuda.get_device_properties(device).total_memory
+        limit, where = 0.9 * total, "this GPU's memory"
     else:  # the CPU's, and MPS's unified memory, shared with everything else the machine runs
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+        has_sysconf = hasattr(os, "sysconf")
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if has_sysconf else 0
         limit, where = ram / 2, "half of this machine's memory"
     B, T, C = cfg.batch_size, cfg.block_size, cfg.n_embd
-    # activations kept for the backward pass, fp32, roughly: ~16 B·T·C per layer (qkv, attention output,
-    # the 4C-wide FFN and its GELU, norms, residuals), one layer's attention scores B·nh·T² (fwd + bwd, the
-    # math path), the logits three times (logits, softmax, gradient)
-    act = 4 * (16 * B * T * C * cfg.n_layer + 2 * B * cfg.n_head * T * T + 3 * B * T * cfg.vocab_size)
-    params = 12 * cfg.n_layer * C * C + cfg.vocab_size * C  # a GPT's, a lower bound: no need to build a huge one
+    # activations kept for the backward pass, fp32, roughly: ~16 B·T·C per layer (qkv, attention
+    # output, the 4C-wide FFN and its GELU, norms, residuals), one layer's attention scores B·nh·T²
+    # (fwd + bwd, the math path), the logits three times (logits, softmax, gradient)
+    act = 4 * (16 * B * T * C * cfg.n_layer + 2 * B * cfg.n_head * T * T
+               + 3 * B * T * cfg.vocab_size)
+    # a GPT's, a lower bound: no need to build a huge one
+    params = 12 * cfg.n_layer * C * C + cfg.vocab_size * C
     if limit and 16 * params + act <= limit:
-        try:  # every tensor of this very model, without allocating it; a size it cannot take is refused here
+        # every tensor of this very model, without allocating it;
+        # a size it cannot take is refused here
+        try:
             with torch.device("meta"):
                 params = sum(t.numel() for t in build(module, cfg).state_dict().values())
         except (RuntimeError, ValueError, ZeroDivisionError) as e:
-            raise NanorouteError(f"--model {cfg.model} cannot be built with these sizes: {str(e).splitlines()[0]}")
-    need = 16 * params + act  # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter
+            raise NanorouteError(f"--model {cfg.model} cannot be built with these sizes: "
+                                 f"{str(e).splitlines()[0]}")
+    # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter
+    need = 16 * params + act
     if limit and need > limit:
-        raise NanorouteError(f"this run would need ~{need / 2 ** 30:,.1f} GiB to train ({params / 1e6:,.1f}M "
-                             f"parameters with their gradients and AdamW's moments: {16 * params / 2 ** 30:,.1f} "
-                             f"GiB; activations at batch_size={B}, block_size={T}: ~{act / 2 ** 30:,.1f} GiB), "
+        raise NanorouteError(f"this run would need ~{need / 2 ** 30:,.1f} GiB to train "
+                             f"({params / 1e6:,.1f}M parameters with their gradients and AdamW's "
+                             f"moments: {16 * params / 2 ** 30:,.1f} GiB; activations at "
+                             f"batch_size={B}, block_size={T}: ~{act / 2 ** 30:,.1f} GiB), "
                              f"more than {where} ({limit / 2 ** 30:,.0f} GiB)")
 
 
 def check_out_dir(cfg, mode, world):
-    """Refuse, before any work, an out_dir that cannot be written or that holds a run a new one would replace.
-    With --resume, return its checkpoint once it is known to fit this run."""
+    """Refuse, before any work, an out_dir that cannot be written or that holds a run a new one
+    would replace. With --resume, return its checkpoint once it is known to fit this run."""
     out, parent = cfg.out_dir, cfg.out_dir
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -228,44 +261,50 @@ def check_out_dir(cfg, mode, world):
         raise NanorouteError(f"--out_dir {out}: cannot write in {parent or '.'} ({e.strerror})")
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if mode == "new" and held:
-        raise NanorouteError(f"{out} holds a run ({', '.join(held)}): continue it with --resume, or start "
-                             "over with --overwrite (removes it), or choose another --out_dir")
+        raise NanorouteError(f"{out} holds a run ({', '.join(held)}): continue it with --resume, "
+                             "or start over with --overwrite (removes it), or choose another "
+                             "--out_dir")
     if mode != "resume":
         return None
     path = os.path.join(out, "ckpt.pt")
     if not os.path.exists(path):
         raise NanorouteError(f"--resume: no {path} to resume from" + (
-            "; the run stopped before its first checkpoint: start it again with --overwrite" if held else ""))
+            "; the run stopped before its first checkpoint: start it again with --overwrite"
+            if held else ""))
     ckpt = common.load_checkpoint(path)
     missing = [k for k in ("optimizer", "iter", "best_val_loss", "rng_cpu") if k not in ckpt]
     if missing:
-        raise NanorouteError(f"{path} has no training state ({', '.join(missing)}; a copy of best.pt?): --resume "
-                             f"needs the ckpt.pt a run writes; to train on from its weights, start a new run "
-                             f"with --init_from={path}")
+        raise NanorouteError(f"{path} has no training state ({', '.join(missing)}; a copy of "
+                             "best.pt?): --resume needs the ckpt.pt a run writes; to train on from "
+                             f"its weights, start a new run with --init_from={path}")
     saved = ckpt["config"]
     for k in ("model", "dataset", *common.ARCH_FIELDS):
         if saved.get(k, getattr(cfg, k)) != getattr(cfg, k):
-            raise NanorouteError(f"checkpoint {path} has {k}={saved[k]} but this run asks for {k}={getattr(cfg, k)}; "
-                                 f"resume with the flags it was trained with ({os.path.join(out, 'config.json')})")
+            raise NanorouteError(f"checkpoint {path} has {k}={saved[k]} but this run asks for "
+                                 f"{k}={getattr(cfg, k)}; resume with the flags it was trained "
+                                 f"with ({os.path.join(out, 'config.json')})")
     n = len(ckpt["rng_cpu"])
     if n != world:
-        raise NanorouteError(f"{path} was written by {n} process(es), this run has {world}: resume it with "
-                             + ("python train.py ..." if n == 1 else f"torchrun --nproc_per_node={n} train.py ..."))
+        how = "python train.py ..." if n == 1 else f"torchrun --nproc_per_node={n} train.py ..."
+        raise NanorouteError(f"{path} was written by {n} process(es), this run has {world}: "
+                             f"resume it with {how}")
     if ckpt["iter"] >= cfg.max_iters:
-        raise NanorouteError(f"{path} is at step {ckpt['iter']} and --max_iters={cfg.max_iters}: nothing left to "
-                             f"train; give a --max_iters above {ckpt['iter']} to train on")
+        raise NanorouteError(f"{path} is at step {ckpt['iter']} and --max_iters={cfg.max_iters}: "
+                             f"nothing left to train; give a --max_iters above {ckpt['iter']} "
+                             "to train on")
     return ckpt
 
 
 def differences(saved, cfg):
     """What a checkpoint's config and this run's disagree on, for a one-line error."""
     return ", ".join(f"{k}={v!r} (this run: {getattr(cfg, k)!r})" for k, v in saved.items()
-                     if hasattr(cfg, k) and v != getattr(cfg, k) and k not in ("out_dir", "device", "max_iters"))
+                     if hasattr(cfg, k) and v != getattr(cfg, k)
+                     and k not in ("out_dir", "device", "max_iters"))
 
 
 def read_metrics(path):
-    """The records of a metrics.jsonl. A last line cut short (what a full disk or a kill mid-write leaves) is
-    dropped with a note; any other line that is not JSON is an error."""
+    """The records of a metrics.jsonl. A last line cut short (what a full disk or a kill mid-write
+    leaves) is dropped with a note; any other line that is not JSON is an error."""
     if not os.path.exists(path):
         return []
     lines, recs = open(path, encoding="utf-8").read().splitlines(), []
@@ -286,12 +325,14 @@ def build(module, cfg):
 
 
 def write_atomic(path, text):
-    """Write text to path via a temporary file: a crash mid-write leaves the previous file intact."""
+    """Write text to path via a temporary file: a crash mid-write leaves the previous file
+    intact."""
     common.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def train(cfg, module, mode="new"):
-    """mode: "new" (refused where out_dir holds a run), "resume" or "overwrite" (removes the old run first)."""
+    """mode: "new" (refused where out_dir holds a run), "resume" or "overwrite" (removes the old run
+    first)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     device = common.pick_device(cfg.device)
@@ -312,12 +353,16 @@ def train(cfg, module, mode="new"):
         cfg, init = start_from(cfg, module, meta, master, ddp)
     cfg = resolve(cfg, meta)
     check_fits(cfg, meta, module, device)
-    refused = getattr(module, "COMPILE_REFUSED", {}).get(device.type)  # device type -> why compile is refused there
+    # COMPILE_REFUSED: device type -> why compile is refused there
+    refused = getattr(module, "COMPILE_REFUSED", {}).get(device.type)
     if cfg.compile and refused:
-        raise NanorouteError(f"--compile is refused for --model {cfg.model} on {device.type}: {refused}")
+        raise NanorouteError(f"--compile is refused for --model {cfg.model} on {device.type}: "
+                             f"{refused}")
     ckpt = check_out_dir(cfg, mode, world) if master or mode == "resume" else None
-    train_data, val_data = (common.load_split(cfg.dataset, split, cfg.data_dir) for split in ("train", "val"))
-    ckpt_path, best_path, metrics_path = (os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt", "metrics.jsonl"))
+    train_data, val_data = (common.load_split(cfg.dataset, split, cfg.data_dir)
+                            for split in ("train", "val"))
+    ckpt_path, best_path, metrics_path = (os.path.join(cfg.out_dir, f)
+                                          for f in ("ckpt.pt", "best.pt", "metrics.jsonl"))
 
     torch.manual_seed(cfg.seed + rank)
     model = build(module, cfg).to(device)
@@ -328,7 +373,8 @@ def train(cfg, module, mode="new"):
             raise NanorouteError(f"--init_from {cfg.init_from} does not fit --model {cfg.model}: "
                                  f"{str(e).splitlines()[1].strip()}")
         if unexpected:
-            raise NanorouteError(f"--init_from {cfg.init_from} has weights --model {cfg.model} lacks: {unexpected[:3]}")
+            raise NanorouteError(f"--init_from {cfg.init_from} has weights --model {cfg.model} "
+                                 f"lacks: {unexpected[:3]}")
         fresh = sorted({f"blocks.*.{k.split('.')[2]}" if k.startswith("blocks.") else
                         k.split(".")[0] for k in missing})  # routers, gates, cheap FFNs
         log(f"init from {cfg.init_from}: {len(missing)} new tensors ({', '.join(fresh) or 'none'})")
@@ -339,14 +385,15 @@ def train(cfg, module, mode="new"):
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise NanorouteError(f"{ckpt_path} does not fit this run's {cfg.model} ("
-                                 f"{differences(ckpt['config'], cfg) or str(e).strip().splitlines()[0]}); resume "
+            why = differences(ckpt["config"], cfg) or str(e).strip().splitlines()[0]
+            raise NanorouteError(f"{ckpt_path} does not fit this run's {cfg.model} ({why}); resume "
                                  "with the flags it was trained with")
         start, best_val = ckpt["iter"], ckpt["best_val_loss"]
         torch.set_rng_state(ckpt["rng_cpu"][rank])
         if device.type == "cuda" and "rng_cuda" in ckpt:
             torch.cuda.set_rng_state(ckpt["rng_cuda"][rank])
-        if master:  # drop what the killed run logged after its checkpoint, so the log reads as one run
+        # drop what the killed run logged after its checkpoint, so the log reads as one run
+        if master:
             keep = [r for r in read_metrics(metrics_path) if r["step"] < start or
                     (r["kind"] == "eval" and r["step"] == start)]
             write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
@@ -358,15 +405,17 @@ def train(cfg, module, mode="new"):
                     os.remove(p)
         write_atomic(metrics_path, "")  # a fresh log (and out_dir)
     if master:
-        write_atomic(os.path.join(cfg.out_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=1))
+        write_atomic(os.path.join(cfg.out_dir, "config.json"),
+                     json.dumps(dataclasses.asdict(cfg), indent=1))
     raw_model = model
     if cfg.compile:
         model = torch.compile(model)
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model,
-                                                          device_ids=[device.index] if device.type == "cuda" else None)
-    log(f"{cfg.model} on {cfg.dataset}: {raw_model.num_params() / 1e6:.2f}M parameters, device {device}, "
-        f"{world} process(es), {cfg.max_iters} iters of {cfg.batch_size}×{cfg.block_size} tokens")
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    log(f"{cfg.model} on {cfg.dataset}: {raw_model.num_params() / 1e6:.2f}M parameters, "
+        f"device {device}, {world} process(es), {cfg.max_iters} iters of "
+        f"{cfg.batch_size}×{cfg.block_size} tokens")
 
     def record(rec):  # called on the master only
         with open(metrics_path, "a") as f:
@@ -374,9 +423,10 @@ def train(cfg, module, mode="new"):
 
     t0, t_last = time.time(), time.time()
     for it in range(start, cfg.max_iters + 1):
-        eval_now = (it % cfg.eval_interval == 0 or it == cfg.max_iters) and not (ckpt is not None and it == start)
-        if eval_now:
-            rng = {"rng_cpu": _gather_rng(torch.get_rng_state(), ddp)}  # a collective: every rank joins
+        eval_now = ((it % cfg.eval_interval == 0 or it == cfg.max_iters)
+                    and not (ckpt is not None and it == start))
+        if eval_now:  # _gather_rng is a collective: every rank joins
+            rng = {"rng_cpu": _gather_rng(torch.get_rng_state(), ddp)}
             if device.type == "cuda":
                 rng["rng_cuda"] = _gather_rng(torch.cuda.get_rng_state(), ddp)
         if master and eval_now:
@@ -389,16 +439,20 @@ def train(cfg, module, mode="new"):
             record({"kind": "eval", "step": it, "time": round(time.time() - t0, 2),
                     "train_loss": ev["train"]["loss"], "val_loss": val["loss"],
                     **{f"val_{k}": v for k, v in val.items() if k != "loss"}})
-            state = dict(model=raw_model.state_dict(), config=dataclasses.asdict(cfg), iter=it, val_loss=val["loss"])
+            state = dict(model=raw_model.state_dict(), config=dataclasses.asdict(cfg), iter=it,
+                         val_loss=val["loss"])
             if val["loss"] < best_val:  # nanoGPT keeps the best weights: long presets overfit
                 best_val = val["loss"]
                 common.save_checkpoint(best_path, **state)
-            common.save_checkpoint(ckpt_path, **state, optimizer=optimizer.state_dict(), best_val_loss=best_val, **rng)
+            common.save_checkpoint(ckpt_path, **state, optimizer=optimizer.state_dict(),
+                                   best_val_loss=best_val, **rng)
         if it == cfg.max_iters:
             break
-        if hasattr(raw_model, "on_step"):  # schedules that depend on the step (temperatures, label phases)
+        # schedules that depend on the step (temperatures, label phases)
+        if hasattr(raw_model, "on_step"):
             raw_model.on_step(it)
-        lr = raw_model.lr_at(it) if hasattr(raw_model, "lr_at") else common.lr_at(it, cfg)  # TSA: its last phase
+        # TSA: its last phase
+        lr = raw_model.lr_at(it) if hasattr(raw_model, "lr_at") else common.lr_at(it, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = common.get_batch(train_data, meta, cfg.batch_size, cfg.block_size,
@@ -407,21 +461,26 @@ def train(cfg, module, mode="new"):
             _, loss, stats = model(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        # the pre-clipping gradient norm is logged (conddepth's grad-norm tiers); grad_clip=0 only measures
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or float("inf"))
+        # the pre-clipping gradient norm is logged (conddepth's grad-norm tiers);
+        # grad_clip=0 only measures
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
+                                                   cfg.grad_clip or float("inf"))
         optimizer.step()
         lossf = loss.item()
         if not np.isfinite(lossf):
-            raise NanorouteError(f"loss became {lossf} at step {it}; lower --learning_rate or check the data")
+            raise NanorouteError(f"loss became {lossf} at step {it}; "
+                                 "lower --learning_rate or check the data")
         if master and it % cfg.log_interval == 0:
             dt = (time.time() - t_last) / (cfg.log_interval if it > start else 1)
             t_last = time.time()
             log(f"iter {it}/{cfg.max_iters}: loss {lossf:.4f}, {dt * 1000:.0f} ms/iter, "
                 f"ETA {_duration(dt * (cfg.max_iters - it))}")
-            record({"kind": "train", "step": it, "loss": lossf, "lr": lr, "grad_norm": grad_norm.item(),
+            record({"kind": "train", "step": it, "loss": lossf, "lr": lr,
+                    "grad_norm": grad_norm.item(),
                     **{k: v.item() for k, v in stats.items() if v.numel() == 1}})
     if ddp:
-        torch.distributed.barrier()  # every rank is past its last collective before the group goes away
+        # every rank is past its last collective before the group goes away
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     if master:
         log(f"done in {_duration(time.time() - t0)}; best val loss {best_val:.4f}")
@@ -446,8 +505,8 @@ def start_from(cfg, module, meta, master=True, ddp=False):
         raise NanorouteError(f"--norm={cfg.norm} cannot load GPT-2, whose blocks use LayerNorm")
     if gpt2 and meta.get("encoding") != "r50k_base":
         raise NanorouteError(f"GPT-2 reads GPT-2's BPE tokens; --dataset {cfg.dataset} has a "
-                             f"vocabulary of {meta['vocab_size']} {meta.get('unit', 'token')}s: use "
-                             "--dataset shakespeare_bpe")
+                             f"vocabulary of {meta['vocab_size']} "
+                             f"{meta.get('unit', 'token')}s: use --dataset shakespeare_bpe")
 
     def fetch(files):  # rank 0 downloads, the others wait for its files
         folder = common.gpt2_folder(src, cfg.data_dir, files if master else ())
@@ -497,7 +556,7 @@ def _gather_rng(state, ddp):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The end of a run: what a user needs to trust the router, in words and numbers
 
 def summary(model, cfg, meta, val_data, device, metrics_path):
@@ -505,14 +564,16 @@ def summary(model, cfg, meta, val_data, device, metrics_path):
     hard, soft = last["val_loss"], last.get("val_soft_loss")
     print(f"\n== {cfg.model} on {cfg.dataset}: summary ==")
     print(f"val loss {hard:.4f}: what inference runs"
-          + (f" (hard routing, sparse path); the training-mode (soft) model {soft:.4f}, so inference costs "
-             f"{hard / soft - 1:+.1%}" if soft is not None else ""))
+          + (f" (hard routing, sparse path); the training-mode (soft) model {soft:.4f}, so "
+             f"inference costs {hard / soft - 1:+.1%}" if soft is not None else ""))
     if cfg.model != "gpt":
         dense = find_dense_run(cfg)
-        print(f"dense GPT of the same preset ({dense[0]}): val {dense[1]:.4f}; this model is {hard / dense[1] - 1:+.1%}"
-              if dense else "no dense GPT of the same preset in out/ to compare with (run train.py --model gpt "
-              "with the same flags)")
-    skips = sorted((int(k[len("val_skip_l"):]), v) for k, v in last.items() if k.startswith("val_skip_l"))
+        print(f"dense GPT of the same preset ({dense[0]}): val {dense[1]:.4f}; "
+              f"this model is {hard / dense[1] - 1:+.1%}"
+              if dense else "no dense GPT of the same preset in out/ to compare with "
+              "(run train.py --model gpt with the same flags)")
+    skips = sorted((int(k[len("val_skip_l"):]), v) for k, v in last.items()
+                   if k.startswith("val_skip_l"))
     if skips:
         print("work really skipped (share of tokens on the cheap path), per layer: "
               + ", ".join(f"layer {i} {v:.0%}" for i, v in skips)
@@ -522,9 +583,11 @@ def summary(model, cfg, meta, val_data, device, metrics_path):
         print(speed_line(model, cfg, meta, val_data, device))
     files = [os.path.join(cfg.out_dir, f) for f in ("ckpt.pt", "best.pt", "metrics.jsonl")]
     if hasattr(model, "routing_map"):
-        idx = torch.tensor(val_data[:min(cfg.block_size, 256)].astype(np.int64), device=device)[None]
+        window = val_data[:min(cfg.block_size, 256)].astype(np.int64)
+        idx = torch.tensor(window, device=device)[None]
         path = os.path.join(cfg.out_dir, "routing.html")
-        print(picture(model, idx, meta, f"{cfg.model} routing on the first validation window", path))
+        title = f"{cfg.model} routing on the first validation window"
+        print(picture(model, idx, meta, title, path))
         files.append(path)
     print("files: " + ", ".join(files))
     model.eval()
@@ -538,7 +601,8 @@ def summary(model, cfg, meta, val_data, device, metrics_path):
 
 
 def find_dense_run(cfg):
-    """(run dir, final val loss) of a dense GPT in out/ trained with this run's data, sizes and budget."""
+    """(run dir, final val loss) of a dense GPT in out/ trained with this run's data, sizes and
+    budget."""
     same = ("dataset", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters")
     root = os.path.dirname(os.path.abspath(cfg.out_dir))
     for name in sorted(os.listdir(root)):
@@ -555,11 +619,15 @@ def find_dense_run(cfg):
 
 
 def speed_line(model, cfg, meta, val_data, device, repeats=5):
-    """Sparse vs dense-hard forward of this model, and vs a dense GPT of its size, timed now, interleaved."""
-    x, _ = common.get_batch(val_data, meta, cfg.batch_size, cfg.block_size, common.eval_rng(0, "val", 0), device)
-    gpt = common.Model(common.Config(**{k: getattr(cfg, k) for k in common.ARCH_FIELDS})).to(device).eval()
+    """Sparse vs dense-hard forward of this model, and vs a dense GPT of its size, timed now,
+    interleaved."""
+    x, _ = common.get_batch(val_data, meta, cfg.batch_size, cfg.block_size,
+                            common.eval_rng(0, "val", 0), device)
+    gpt_cfg = common.Config(**{k: getattr(cfg, k) for k in common.ARCH_FIELDS})
+    gpt = common.Model(gpt_cfg).to(device).eval()
     model.eval()
-    fns = {"sparse": lambda: model(x, sparse=True), "dense_hard": lambda: model(x), "gpt": lambda: gpt(x)}
+    fns = {"sparse": lambda: model(x, sparse=True), "dense_hard": lambda: model(x),
+           "gpt": lambda: gpt(x)}
     times = {k: [] for k in fns}
     with torch.no_grad(), common.autocast(device):
         for i in range(repeats + 2):
@@ -571,16 +639,19 @@ def speed_line(model, cfg, meta, val_data, device, repeats=5):
                 if i >= 2:
                     times[k].append(time.perf_counter() - t)
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    return (f"speed, measured now (forward, batch {cfg.batch_size}×{cfg.block_size}, median of {repeats}): sparse "
-            f"{med['sparse'] * 1e3:.1f} ms = {med['dense_hard'] / med['sparse']:.2f}× the same decisions computed "
-            f"densely, {med['gpt'] / med['sparse']:.2f}× a dense GPT of the same size")
+    return (f"speed, measured now (forward, batch {cfg.batch_size}×{cfg.block_size}, median of "
+            f"{repeats}): sparse {med['sparse'] * 1e3:.1f} ms = "
+            f"{med['dense_hard'] / med['sparse']:.2f}× the same decisions computed densely, "
+            f"{med['gpt'] / med['sparse']:.2f}× a dense GPT of the same size")
 
 
-# ----------------------------------------------------------------------------------------------------
-# The routing picture. Every router returns routing_map(idx (1, T)) -> (m (R, T) in [0, 1], row labels,
-# (meaning of 0, meaning of 1)); 1 = the token took the expensive path there. One renderer draws them all.
+# --------------------------------------------------------------------------------------------------
+# The routing picture. Every router returns routing_map(idx (1, T)) -> (m (R, T) in [0, 1], row
+# labels, (meaning of 0, meaning of 1)); 1 = the token took the expensive path there. One renderer
+# draws them all.
 
-CHEAP, COSTLY = (214, 234, 248), (239, 138, 54)  # light blue -> orange; black text stays readable on both
+# light blue -> orange; black text stays readable on both
+CHEAP, COSTLY = (214, 234, 248), (239, 138, 54)
 
 
 def _mix(a):
@@ -588,9 +659,11 @@ def _mix(a):
 
 
 def render_routing(meta, idx, m, rows, legend, title, path=None, color=True, width=96):
-    """idx (T,) ids, m (R, T) in [0, 1] -> terminal text (ANSI colour, or a plain marker line under each
-    line of text when color=False) and, if path is given, a self-contained HTML file written atomically."""
-    toks = [common.decode(meta, [i]).replace("\n", "⏎\n") for i in idx]  # a newline shows as ⏎ and ends the line
+    """idx (T,) ids, m (R, T) in [0, 1] -> terminal text (ANSI colour, or a plain marker line under
+    each line of text when color=False) and, if path is given, a self-contained HTML file written
+    atomically."""
+    # a newline shows as ⏎ and ends the line
+    toks = [common.decode(meta, [i]).replace("\n", "⏎\n") for i in idx]
     m = m.float().clamp(0, 1).tolist()
     out = [f"{title}   legend: {legend[0]} = light" + (" (blue)" if color else " '.'") +
            f", {legend[1]} = dark" + (" (orange)" if color else " '#'")]
@@ -615,26 +688,33 @@ def render_routing(meta, idx, m, rows, legend, title, path=None, color=True, wid
     if path:
         sections = []
         for label, vals in zip(rows, m):
-            spans = "".join(f'<span style="background:rgb{_mix(a)}" title="{a:.2f}">{html.escape(t)}</span>'
-                            for t, a in zip(toks, vals))
-            sections.append(f"<h2>{html.escape(label)} <small>({legend[1]} {sum(vals) / max(len(vals), 1):.0%}"
+            spans = "".join(f'<span style="background:rgb{_mix(a)}" title="{a:.2f}">'
+                            f'{html.escape(t)}</span>' for t, a in zip(toks, vals))
+            mean = sum(vals) / max(len(vals), 1)
+            sections.append(f"<h2>{html.escape(label)} <small>({legend[1]} {mean:.0%}"
                             f")</small></h2>\n<pre>{spans}</pre>")
         key = "".join(f'<span style="background:rgb{_mix(a)}">&nbsp;{html.escape(t)}&nbsp;</span> '
                       for a, t in ((0.0, legend[0]), (0.5, "between"), (1.0, legend[1])))
-        page = ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>" + html.escape(title) +
-                "</title>\n<style>body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#111;"
-                "background:#fff}pre{font-size:16px;line-height:1.6;white-space:pre-wrap;word-break:break-all;"
-                "border:1px solid #ccc;padding:.5em}h2{font-size:1em;margin:1.2em 0 .2em}span{color:#000}</style>"
-                "</head><body>\n<h1>" + html.escape(title) + "</h1>\n<p>Each token is coloured by what the model "
-                "ran for it in each layer. " + key + "</p>\n" + "\n".join(sections) + "\n</body></html>\n")
+        page = ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>"
+                + html.escape(title) + "</title>\n<style>"
+                "body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#111;"
+                "background:#fff}"
+                "pre{font-size:16px;line-height:1.6;white-space:pre-wrap;word-break:break-all;"
+                "border:1px solid #ccc;padding:.5em}"
+                "h2{font-size:1em;margin:1.2em 0 .2em}span{color:#000}</style>"
+                "</head><body>\n<h1>" + html.escape(title) + "</h1>\n"
+                "<p>Each token is coloured by what the model ran for it in each layer. "
+                + key + "</p>\n" + "\n".join(sections) + "\n</body></html>\n")
         write_atomic(path, page)
     return "\n".join(out)
 
 
 def picture(model, idx, meta, title, path):
-    """The model's routing_map drawn in the terminal (colour on a TTY) and written to path as HTML."""
+    """The model's routing_map drawn in the terminal (colour on a TTY) and written to path as
+    HTML."""
     m, rows, legend = model.routing_map(idx)
-    return render_routing(meta, idx[0].tolist(), m, rows, legend, title, path, color=sys.stdout.isatty())
+    return render_routing(meta, idx[0].tolist(), m, rows, legend, title, path,
+                          color=sys.stdout.isatty())
 
 
 def encode_prompt(meta, text):
@@ -643,7 +723,8 @@ def encode_prompt(meta, text):
         stoi = {c: i for i, c in enumerate(meta["itos"])}
         bad = sorted(set(text) - set(stoi))
         if bad:
-            raise NanorouteError(f"the prompt has characters Tiny Shakespeare never uses: {''.join(bad)!r}")
+            raise NanorouteError("the prompt has characters Tiny Shakespeare never uses: "
+                                 f"{''.join(bad)!r}")
         return [stoi[c] for c in text]
     if meta["dataset"] == "shakespeare_bpe":
         return common.bpe().encode_ordinary(text)
@@ -653,20 +734,20 @@ def encode_prompt(meta, text):
     try:
         ids = [names[w] if w in names else int(w) for w in text.split()]
     except ValueError:
-        raise NanorouteError(f"a {meta['dataset']} prompt is space-separated numbers 0..{common.TASK_VOCAB - 1} "
-                             f"and [BOS]/[SEP]/[EOS], got {text!r}")
+        raise NanorouteError(f"a {meta['dataset']} prompt is space-separated numbers "
+                             f"0..{common.TASK_VOCAB - 1} and [BOS]/[SEP]/[EOS], got {text!r}")
     if not all(0 <= i < meta["vocab_size"] for i in ids):
         raise NanorouteError(f"prompt ids must be in 0..{meta['vocab_size'] - 1}")
     return ids
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # python train.py --sample RUN_DIR: nanoGPT's sample.py for a trained run
 
 SAMPLE_FLAGS = {  # name: (default, one line of help); a flag's type is its default's
     "sample": ("", "the run directory to sample from (its best.pt, else its ckpt.pt)"),
-    "prompt": ("\n", "the text to continue (copy/sort: numbers 0..31 and [BOS]/[SEP]/[EOS]; default: the "
-                     "first held-out record's source)"),
+    "prompt": ("\n", "the text to continue (copy/sort: numbers 0..31 and [BOS]/[SEP]/[EOS]; "
+                     "default: the first held-out record's source)"),
     "num_tokens": (300, "tokens to generate (copy/sort default: the record's target and [EOS])"),
     "temperature": (0.8, "0: greedy; higher: more random"),
     "top_k": (200, "sample among the k most likely tokens"),
@@ -679,20 +760,25 @@ SAMPLE_FLAGS = {  # name: (default, one line of help); a flag's type is its defa
 
 def sample_run(argv):
     opts = {k: v for k, (v, _) in SAMPLE_FLAGS.items()}
-    given = split_flags(argv, may_be_empty=("prompt",))  # --prompt "": a newline, as nanoGPT's sample.py
+    # --prompt "": a newline, as nanoGPT's sample.py
+    given = split_flags(argv, may_be_empty=("prompt",))
     for key, val in given.items():
         if key not in SAMPLE_FLAGS:
-            raise NanorouteError(f"unknown option --{key} with --sample; valid: --{', --'.join(SAMPLE_FLAGS)}")
+            raise NanorouteError(f"unknown option --{key} with --sample; "
+                                 f"valid: --{', --'.join(SAMPLE_FLAGS)}")
         opts[key] = parse_value(key, type(SAMPLE_FLAGS[key][0]), val)
     run_dir = opts["sample"]
     if not os.path.isdir(run_dir):
-        raise NanorouteError(f"--sample {run_dir}: no such run directory (train one with python train.py --model ...)")
+        raise NanorouteError(f"--sample {run_dir}: no such run directory "
+                             "(train one with python train.py --model ...)")
     if opts["num_tokens"] < 1 or opts["temperature"] < 0 or opts["top_k"] < 1:
         raise NanorouteError("--num_tokens and --top_k must be >= 1 and --temperature >= 0")
     common.check_device_name(opts["device"])
-    path = next((p for p in (os.path.join(run_dir, f) for f in ("best.pt", "ckpt.pt")) if os.path.exists(p)), None)
+    candidates = (os.path.join(run_dir, f) for f in ("best.pt", "ckpt.pt"))
+    path = next((p for p in candidates if os.path.exists(p)), None)
     if path is None:
-        raise NanorouteError(f"--sample {run_dir}: no best.pt or ckpt.pt there (has the run reached its first eval?)")
+        raise NanorouteError(f"--sample {run_dir}: no best.pt or ckpt.pt there "
+                             "(has the run reached its first eval?)")
     ckpt = common.load_checkpoint(path)
     saved = ckpt["config"]
     if saved.get("model") not in MODELS:
@@ -707,31 +793,39 @@ def sample_run(argv):
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        raise NanorouteError(f"checkpoint {path}'s weights do not fit its own config: {str(e).splitlines()[0]}")
+        raise NanorouteError(f"checkpoint {path}'s weights do not fit its own config: "
+                             f"{str(e).splitlines()[0]}")
     meta = common.load_meta(cfg.dataset, cfg.data_dir)
-    if "record_len" in meta and "prompt" not in given:  # copy/sort: complete a held-out record, as the summary does
-        ids = common.load_split(cfg.dataset, "val", cfg.data_dir)[:common.TASK_LEN + 2].astype(np.int64).tolist()
+    # copy/sort: complete a held-out record, as the summary does
+    if "record_len" in meta and "prompt" not in given:
+        val_data = common.load_split(cfg.dataset, "val", cfg.data_dir)
+        ids = val_data[:common.TASK_LEN + 2].astype(np.int64).tolist()
         if "num_tokens" not in given:
             opts["num_tokens"] = common.TASK_LEN + 1
-        print(f"no --prompt: completing the first held-out record's source {common.decode(meta, ids)!r}")
+        print("no --prompt: completing the first held-out record's source "
+              f"{common.decode(meta, ids)!r}")
     else:
         ids = encode_prompt(meta, opts["prompt"] or "\n")
     if not ids:
-        raise NanorouteError(f"--prompt is empty; a {cfg.dataset} prompt needs at least one token (e.g. '[BOS] 3 1')")
+        raise NanorouteError(f"--prompt is empty; a {cfg.dataset} prompt needs at least one token "
+                             "(e.g. '[BOS] 3 1')")
     idx = torch.tensor(ids[-cfg.block_size:], dtype=torch.long, device=device)[None]  # (1, T0)
     torch.manual_seed(opts["seed"])
     t = time.perf_counter()
     with common.autocast(device):
-        out = model.generate(idx, opts["num_tokens"], opts["temperature"], opts["top_k"], use_cache=not opts["dense"],
-                             compile=opts["compile"])
+        out = model.generate(idx, opts["num_tokens"], opts["temperature"], opts["top_k"],
+                             use_cache=not opts["dense"], compile=opts["compile"])
     common.sync(device)
     dt = time.perf_counter() - t
-    how = ("cache-free forward of the whole window per token" if opts["dense"] or not hasattr(model, "prefill")
+    cache_free = opts["dense"] or not hasattr(model, "prefill")
+    how = ("cache-free forward of the whole window per token" if cache_free
            else "KV-cached decoding" + (", routed" if hasattr(model, "routing_map") else "")
            + (", compiled step (includes compile time)" if opts["compile"] else ""))
-    print(f"{cfg.model} from {path} (step {ckpt['iter']}, val {ckpt.get('val_loss', float('nan')):.4f}); "
-          f"{opts['num_tokens']} tokens in {dt:.2f}s ({opts['num_tokens'] / dt:.0f} tok/s, {how})")
-    print("sample:\n" + common.decode(meta, out[0].tolist()), flush=True)  # first: a failed picture loses nothing
+    print(f"{cfg.model} from {path} (step {ckpt['iter']}, "
+          f"val {ckpt.get('val_loss', float('nan')):.4f}); {opts['num_tokens']} tokens in "
+          f"{dt:.2f}s ({opts['num_tokens'] / dt:.0f} tok/s, {how})")
+    # the sample first: a failed picture loses nothing
+    print("sample:\n" + common.decode(meta, out[0].tolist()), flush=True)
     if hasattr(model, "routing_map"):
         window = out[:, -cfg.block_size:]
         html_path = os.path.join(run_dir, "sample_routing.html")
@@ -740,22 +834,26 @@ def sample_run(argv):
             print(picture(model, window, meta, title, html_path) + f"\nwrote {html_path}")
         except OSError as e:
             print(picture(model, window, meta, title, None))
-            print(f"warning: could not write {html_path} ({e.strerror}); the sample is above", file=sys.stderr)
+            print(f"warning: could not write {html_path} ({e.strerror}); the sample is above",
+                  file=sys.stderr)
 
 
 def print_sample_help():
-    print("usage: python train.py --sample RUN_DIR [--prompt TEXT] [--num_tokens N] [--temperature T] ...\n\n"
+    print("usage: python train.py --sample RUN_DIR [--prompt TEXT] [--num_tokens N] "
+          "[--temperature T] ...\n\n"
           "Generate text from a trained run (nanoGPT's sample.py).\n")
     for k, (default, text) in SAMPLE_FLAGS.items():
         print(f"{'  --' + k + '=' + show(default):<24} {text}")
 
 
 def resume_line(argv, cfg):
-    """After Ctrl-C: the exact command that continues this run (or starts it again, with no checkpoint yet)."""
+    """After Ctrl-C: the exact command that continues this run (or starts it again, with no
+    checkpoint yet)."""
     flags = [f"--{k}" if v is None else f"--{k}={v}" for k, v in split_flags(argv).items()
              if k not in ("resume", "overwrite")]
     n = int(os.environ.get("WORLD_SIZE", 1))
-    run = ["torchrun", "--standalone", f"--nproc_per_node={n}"] if "RANK" in os.environ else ["python"]
+    ddp = "RANK" in os.environ
+    run = ["torchrun", "--standalone", f"--nproc_per_node={n}"] if ddp else ["python"]
     if os.path.exists(os.path.join(out_dir_of(cfg), "ckpt.pt")):
         return f"interrupted; continue with: {shlex.join([*run, 'train.py', *flags, '--resume'])}"
     return (f"interrupted before the first checkpoint; start again with: "
@@ -765,20 +863,40 @@ def resume_line(argv, cfg):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     master, cfg = os.environ.get("RANK", "0") == "0", None
+    wants_help = "-h" in argv or "--help" in argv
     try:
         sample = any(a == "--sample" or a.startswith("--sample=") for a in argv)
-        if "-h" in argv or "--help" in argv:
-            return print_sample_help() if sample else print_help([a for a in argv if a not in ("-h", "--help")])
+        if wants_help:
+            if sample:
+                print_sample_help()
+            else:
+                print_help([a for a in argv if a not in ("-h", "--help")])
+            sys.stdout.flush()  # a reader gone (head, a pager) shows here, not at the exit's flush
+            return None
         if sample:
-            return sample_run(argv)
+            sample_run(argv)
+            sys.stdout.flush()
+            return None
         cfg, module, mode = parse_args(argv)
         best = train(cfg, module, mode)
         if "RANK" in os.environ:
-            # DDP keeps gloo's worker threads alive past destroy_process_group, and one that frees a collective's
-            # tensors while the interpreter shuts down aborts the process (SIGABRT): a finished worker skips that
+            # DDP keeps gloo's worker threads alive past destroy_process_group, and one that frees a
+            # collective's tensors while the interpreter shuts down aborts the process (SIGABRT): a
+            # finished worker skips that
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(0)
+        sys.stdout.flush()
         return best
+    except BrokenPipeError:  # stdout's reader (head, a pager) stopped reading: end quietly
+        # Python flushes stdout once more at exit: point it at devnull so that flush cannot fail too
+        # (what Python's docs on SIGPIPE recommend)
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is no file (a test's capture): nothing to redirect
+            pass
+        if wants_help:
+            return None
+        sys.exit(1)  # as Python exits on a broken pipe: the output (or the run) was cut short
     except NanorouteError as e:
         message = str(e)
     except OSError as e:  # a full disk, a folder made read-only mid-run: one line, no traceback
@@ -786,7 +904,8 @@ def main(argv=None):
     except KeyboardInterrupt:  # Ctrl-C: checkpoints are atomic, so the last one is whole
         if master:
             print(resume_line(argv, cfg) if cfg is not None else "interrupted", file=sys.stderr)
-        raise  # a caller in this process (a test, a script) stops too; the command line exits 130 below
+        # a caller in this process (a test, a script) stops too; the command line exits 130 below
+        raise
     if master:
         print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -795,5 +914,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # main said how to resume; 130 = 128 + SIGINT, the shell's code for Ctrl-C
-        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.exit(130)  # main said how to resume; 130 = 128 + SIGINT, the shell's code for Ctrl-C
