@@ -5,16 +5,12 @@ All four routers against dense GPTs of matched inference cost: the tables of res
   python experiments/compare.py --budget gpu --jobs 6 --device cuda   # GPU budget: ~7 minutes on one H100
   python experiments/compare.py --table-only                          # rebuild the CPU table from its records
 
-Each run trains with train.py at its budget's preset, 2 seeds, --jobs at a time (a run that starts from another's
-checkpoint waits for it; a finished run is not redone, an interrupted one resumes), then is measured, one at a time,
-into results/compare<_budget>/<run>-s<seed>.json; the tables come from those files only. FLOPs: common.py's
-accounting, hard decisions taken on val; speed: the run's sparse path against the dense reference in one process.
-A run that starts from a checkpoint is also judged against its control: that checkpoint trained on, dense.
+Each run trains with train.py (2 seeds, --jobs at a time; a finished run is not redone), then is measured into
+results/compare<_budget>/<run>-s<seed>.json; the tables come from those files only (method: results/compare.md).
 """
 import argparse
 import dataclasses
 import glob
-import importlib
 import json
 import math
 import os
@@ -78,9 +74,8 @@ def train(name, seed, out, base, quick=False, device="auto"):
 
 
 def schedule(tasks, deps, work, jobs):
-    """Run work(task) for every task, at most `jobs` at a time; a task starts only once every task in
-    deps[task] that is also in `tasks` has finished. Returns the tasks in the order they finished; the first
-    failure stops new starts and is raised (after the running ones end)."""
+    """work(task) for every task, `jobs` at a time, each after its deps that are in `tasks`; returns the
+    tasks in the order they finished. The first failure stops new starts and is raised."""
     pending, running, done = list(tasks), {}, []
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         while pending or running:
@@ -97,15 +92,12 @@ def schedule(tasks, deps, work, jobs):
     return done
 
 
-# ----------------------------------------------------------------------------------------------------
-# measurements of one trained run
-
 def load(d, block_size=None, device="cpu"):
     """The trained model of run dir d; block_size > trained: positions tiled (for long-context timing)."""
     import common
+    import train
     ckpt = common.load_checkpoint(os.path.join(d, "ckpt.pt"))
-    module = importlib.import_module({"gpt": "common", "hybrid": "hybrid_attn"}.get(ckpt["config"]["model"],
-                                                                                    ckpt["config"]["model"]))
+    module = train.model_module(ckpt["config"]["model"])[1]
     cfg = module.Config(**ckpt["config"])
     state = ckpt["model"]
     if block_size and block_size > cfg.block_size:
@@ -184,9 +176,6 @@ def measure(name, d, ref_dir, repeats, device):
     return rec
 
 
-# ----------------------------------------------------------------------------------------------------
-# the tables (pure functions of the records: tested in tests/test_compare.py)
-
 def md_table(rows, cols):
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows]) + "\n"
@@ -206,15 +195,13 @@ def mean_sd(xs):
 
 
 def on_line(name, rs):
-    """Dense runs trained from scratch make the dense line; a dense run trained on from a checkpoint (a control)
-    has had more training and does not."""
+    """Dense runs trained from scratch make the dense line (a control has had more training)."""
     return rs[0]["model"] == "gpt" and parent(name) is None
 
 
 def dense_line(groups):
-    pts = [(mean_sd([r["flops_ratio"] for r in rs])[0], mean_sd([r["val_loss"] for r in rs])[0])
-           for name, rs in groups.items() if on_line(name, rs)]
-    return sorted(pts)
+    return sorted((mean_sd([r["flops_ratio"] for r in rs])[0], mean_sd([r["val_loss"] for r in rs])[0])
+                  for name, rs in groups.items() if on_line(name, rs))
 
 
 def dense_loss_at(line, flops):
@@ -235,8 +222,7 @@ def verdict(loss, sd, line_loss):
 
 
 def control_of(name):
-    """The equal-training control of a run that starts from a checkpoint: the dense run trained on from the same
-    checkpoint for the same steps. None for runs trained from scratch and for the control itself."""
+    """The dense run trained on from the same checkpoint for the same steps (None: no checkpoint, or gpt)."""
     model, flags = RUNS.get(name, ("", {}))
     if model == "gpt" or not parent(name):
         return None
@@ -284,8 +270,7 @@ def table(records):
 
 
 def write_section(md, key, text, title="# All four routers vs dense GPTs of matched cost\n"):
-    """Replace the section between <!-- key --> and <!-- /key --> of the page md (append it if absent), so
-    that each budget's command rewrites its own table and leaves the rest of the page as it is."""
+    """Replace (or append) the page's section between <!-- key --> and <!-- /key -->, keeping the rest."""
     start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
     page = open(md).read() if os.path.exists(md) else title
     block = f"{start}\n{text.rstrip()}\n{end}\n"
@@ -312,13 +297,9 @@ def section(budget, records, rec_dir):
             f"`python experiments/compare.py{flag} --table-only`\n\n" + table(records))
 
 
-# ----------------------------------------------------------------------------------------------------
-# shared by the other experiment scripts (tsa, dtrnet, conddepth, hybrid)
-
 def train_run(out_dir, flags, after=None, dry=False):
-    """python train.py FLAGS --out_dir=OUT_DIR (output to OUT_DIR.log), then after(out_dir), then a `done` file. A run
-    with `done` is skipped, one trained to its max_iters not retrained, one with a checkpoint resumed, else started
-    over: rerunning a study continues where it stopped. dry: print only."""
+    """python train.py FLAGS --out_dir=OUT_DIR (log: OUT_DIR.log), after(out_dir), a `done` file; a rerun
+    skips, finishes or resumes each run: a study continues where it stopped. dry: print only."""
     path = os.path.join(ROOT, out_dir)
     if os.path.exists(os.path.join(path, "done")):
         print(f"skip {out_dir}")
@@ -350,8 +331,7 @@ def parser(doc):
 
 
 def csv(cast=str, choices=(), keep=False):
-    """An argparse type: 'a,b' -> [cast(a), cast(b)], each one of choices if given; keep: the texts, checked by
-    cast (numbers that name run dirs: '0.70' stays '0.70')."""
+    """An argparse type: 'a,b' -> [cast(a), cast(b)] (keep: the texts, checked: '0.70' stays '0.70')."""
     def parse(text):
         try:
             items = [(cast(x), x)[keep] for x in text.split(",")]
@@ -365,8 +345,7 @@ def csv(cast=str, choices=(), keep=False):
 
 
 def entry(main, *args):
-    """Run a script's command: a NanorouteError, a missing or broken input or a failed train.py run is one `error:`
-    line and exit 2, not a traceback."""
+    """Run a script's command; a bad input or failed train.py run is one `error:` line and exit 2."""
     from common import NanorouteError  # here: --help and argparse's errors need no torch
     try:
         return main(*args)
@@ -393,8 +372,9 @@ def finished(root, hint):
     return root, runs
 
 
-def study_cli(doc, commands, out, argv=None):
-    p = parser(doc)
+def study_cli(doc, commands, out, argv=None, p=None):
+    """A study script's command line, CMD [--out DIR] [--dry-run] (and p's options), then its command."""
+    p = p or parser(doc)
     p.add_argument("cmd", choices=list(commands))
     p.add_argument("--out", default=out, help="the runs' folder")
     p.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
@@ -402,9 +382,9 @@ def study_cli(doc, commands, out, argv=None):
     entry(commands[a.cmd], a)
 
 
-def evals(run):
-    """The eval lines of a train.py run's metrics.jsonl (the last one: the final model)."""
-    return [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if r["kind"] == "eval"]
+def evals(run, kind="eval"):
+    """The `kind` lines of a train.py run's metrics.jsonl (the last eval line: the final model)."""
+    return [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if r["kind"] == kind or not kind]
 
 
 def main(argv=None):

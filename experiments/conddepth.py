@@ -6,9 +6,8 @@ ctx 64) is the pretrained start; controller-only runs from it (the paper's §3.4
   python experiments/conddepth.py chain    # every run, measured under every inference mode into OUT/<run>.json
   python experiments/conddepth.py table    # the tables, from those records
 
-Every run evaluates on the same 10 validation batches (eval seed 1337), so recipes compare paired. Hit thresholds
-are fixed from two pilot runs (G1, G3, seed 0) before the main runs, by a rule chosen before any run: S = mean pilot
-step-0 val, E = mean pilot best val, thresholds E + f·(S − E) for f = 0.5 / 0.25 / 0.1.
+Every run evaluates on the same 10 validation batches (eval seed 1337), so recipes compare paired; hit thresholds
+are fixed from two pilot runs (G1, G3, seed 0) before the main runs (thresholds()).
 """
 import dataclasses
 import glob
@@ -17,7 +16,7 @@ import os
 
 import numpy as np
 
-from compare import ROOT, load, md_table, refusal, study_cli, train_run
+from compare import ROOT, evals, load, md_table, refusal, study_cli, train_run
 
 RECIPES = ["G1", "G3", "A1", "A2", "A3-G1", "A3-G3"]
 # 300 controller steps of 16 × 64 tokens (paper: 20k steps of 16 × 256); labels from step 20, every 5
@@ -51,10 +50,8 @@ def chain(a):
 
 
 def evaluate(run, out):
-    """Val loss of the final checkpoint on the run's eval batches under every inference mode: causal thresholds
-    (what inference runs; train.py's val_loss), with the sparse path, and the paper's non-causal top-k (= the
-    training computation, train.py's val_soft_loss), dense and sparse; and from metrics.jsonl the eval curve and
-    the mean pre-clipping grad-norm (of every step: train.py logs every step with --log_interval=1)."""
+    """The final val loss under every inference mode (causal thresholds: what inference runs; the paper's
+    top-k: the training computation), dense and sparse; the eval curve and the mean grad-norm of every step."""
     import common
     import torch
     model, cfg, _ = load(run)
@@ -67,7 +64,7 @@ def evaluate(run, out):
             final[mode + ("_sparse" if sparse else "")], final[mode + "_full_ratio"] = ev["loss"], ev["full_ratio"]
             if mode == "causal" and not sparse:
                 final.update(soft=ev["soft_loss"], flops_saved_hard=ev["flops_saved_hard"])
-    recs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    recs = evals(run, kind=None)
     res = {"config": dataclasses.asdict(cfg), "run_dir": run, "final": final, "torch": torch.__version__,
            "evals": [{"step": r["step"], "loss": r["val_loss"], **{k[4:]: v for k, v in r.items() if k[:4] == "val_"}}
                      for r in recs if r["kind"] == "eval"],
@@ -78,6 +75,7 @@ def evaluate(run, out):
 
 
 def thresholds(R):
+    """S = mean pilot step-0 val, E = mean pilot best val: thresholds E + f·(S − E), f = 0.5 / 0.25 / 0.1."""
     pilots = [json.load(open(os.path.join(ROOT, R, f"pilot-{g}.json"))) for g in ("G1", "G3")]
     S = np.mean([p["evals"][0]["soft_loss"] for p in pilots])
     E = np.mean([min(e["soft_loss"] for e in p["evals"]) for p in pilots])
@@ -86,8 +84,8 @@ def thresholds(R):
 
 
 def metrics(run, th):
-    """Curve metrics on the top-k val loss (the paper's routing at exactly ρ, = the training computation): the
-    causal loss's budget drifts while θ is learnt (all cheap at step 0), so its "best" would reward moments."""
+    """Curve metrics on the top-k val loss: the causal one's budget drifts while θ is learnt (all cheap at step
+    0), so its "best" would reward moments."""
     ev, last = run["evals"], run["evals"][-1]
     steps, loss = [e["step"] for e in ev], [e["soft_loss"] for e in ev]
     return {"step0": loss[0], "best": min(loss), "end": loss[-1], "avg_all": float(np.mean(loss)),
@@ -132,7 +130,7 @@ def table(a):
                     [f"{M['A3-' + g][s][k] - M[g][s][k]:+.4f}" for k in ("best", "end", "avg_all")]
                     for g in ("G1", "G3") if g in M and "A3-" + g in M for s in sorted(set(M[g]) & set(M["A3-" + g]))],
                    ["gate", "seed", "standard best", "A3 best", "Δ best", "Δ end", "Δ avg all"]))
-    ft = [json.loads(line) for line in open(os.path.join(R, "dense-ft", "metrics.jsonl")) if '"eval"' in line]
+    ft = evals(os.path.join(R, "dense-ft"))
     print(f"Inference modes at the end of training (val loss on the same batches). joint-A3-G1: the backbone trained "
           f"too; the dense GPT trained the same 300 steps alike reaches {ft[-1]['val_loss']:.4f}:\n")
     fin = lambda r, f, fmt="{:.4f}": ms([f(x["f"]) for x in M[r].values()], fmt)  # noqa: E731

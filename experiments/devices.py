@@ -67,11 +67,11 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(common.DTYPES))
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args(argv)
-    entry(table, args)
+    entry(table, p.parse_args(argv))
 
 
 def table(args):
+    """One markdown row per (dtype, model), printed as it is measured."""
     device = common.pick_device(args.device)
     machine = f"{device.type}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
                                   f" ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")

@@ -7,9 +7,8 @@ The DTRNet reproduction of results/dtrnet.md: dense GPT vs DTRNet bilayer vs tri
 """
 import json
 import os
-import statistics
 
-from compare import evals, finished, load, md_table, study_cli, train_run
+from compare import evals, finished, load, mean_sd, md_table, study_cli, train_run
 
 FLAGS = ("--dataset=shakespeare --n_layer=7 --n_head=4 --n_embd=96 --block_size=256 --batch_size=12 --max_iters=600 "
          "--warmup_iters=50 --learning_rate=2e-3 --min_lr=1e-4 --eval_interval=600 --eval_iters=20 "
@@ -47,13 +46,13 @@ def table(a):
         by.setdefault(name, []).append((ev["val_loss"], frac, flops))
     print(md_table(rows, ["run", "seed", "val loss", "val acc", "routed frac (mean D)", "per-D-layer routed frac",
                           "FLOPs ratio @256", "sparse-path val loss"]))
-    dense = statistics.mean(v[0] for v in by.get("dense", [(float("nan"),)]))
+    dense = mean_sd([v[0] for v in by.get("dense", [(float("nan"),)])])[0]
     rows = []
     for name, vals in by.items():
-        loss = statistics.mean(v[0] for v in vals)
-        spread = f" ± {statistics.stdev(v[0] for v in vals):.4f}" if len(vals) > 1 else ""
+        (loss, sd), frac, flops = [mean_sd(list(v)) for v in zip(*vals)]
+        spread = f" ± {sd:.4f}" if len(vals) > 1 else ""
         rows.append([name, len(vals), f"{loss:.4f}{spread}", f"{100 * (loss / dense - 1):+.2f}%",
-                     f"{statistics.mean(v[1] for v in vals):.3f}", f"{statistics.mean(v[2] for v in vals):.3f}"])
+                     f"{frac[0]:.3f}", f"{flops[0]:.3f}"])
     print(md_table(rows, ["run", "seeds", "mean val loss", "Δ vs dense", "mean routed frac", "mean FLOPs ratio @256"]))
 
 

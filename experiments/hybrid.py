@@ -9,7 +9,7 @@ The hybrid GDN/softmax reproduction of results/hybrid.md: static `G G G S` vs dy
 import os
 import statistics
 
-from compare import evals, finished, md_table, study_cli, train_run
+from compare import evals, finished, mean_sd, md_table, study_cli, train_run
 
 FLAGS = ("--model=hybrid --dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --block_size=128 --batch_size=8 "
          "--learning_rate=2e-3 --eval_iters=10 --log_interval=10").split()
@@ -29,23 +29,20 @@ def train(a):
 
 
 def table(a):
-    import json
     (root, names), runs = finished(a.out, "train them with `python experiments/hybrid.py train`"), {}
     for d in names:
         name, _, seed = d.rpartition("-s")
-        runs.setdefault(name, {})[int(seed)] = [json.loads(line) for line in open(os.path.join(root, d, "metrics.jsonl"))]
+        runs.setdefault(name, {})[int(seed)] = evals(os.path.join(root, d), kind=None)
     rows = []
     for name, seeds in runs.items():
-        finals = []
-        for seed, recs in sorted(seeds.items()):
-            e = [r for r in recs if r["kind"] == "eval"][-1]
-            finals.append(e["val_loss"])
-            fr = lambda k: f"{100 * e[k]:.1f}" if k in e else "–"
+        finals = [[r for r in recs if r["kind"] == "eval"][-1] for _, recs in sorted(seeds.items())]
+        for seed, e in zip(sorted(seeds), finals):
+            fr = lambda k: f"{100 * e[k]:.1f}" if k in e else "–"  # noqa: E731
             rows.append([name, seed, e["step"], f"{e['val_loss']:.4f}", f"{e['val_acc']:.3f}", fr("val_gdn_frac_l1"),
                          fr("val_gdn_frac_l2"), f"{e.get('val_balance', float('nan')):.3f}", f"{e['time']:.0f}"])
         if len(finals) > 1:
-            rows.append([f"**{name} mean ± sd**", f"{len(finals)} seeds", "",
-                         f"**{statistics.mean(finals):.4f} ± {statistics.stdev(finals):.4f}**", "", "", "", "", ""])
+            m, sd = mean_sd([e["val_loss"] for e in finals])
+            rows.append([f"**{name} mean ± sd**", f"{len(finals)} seeds", "", f"**{m:.4f} ± {sd:.4f}**", *[""] * 5])
     print(md_table(rows, ["run", "seed", "steps", "val loss (final)", "val acc", "L1 GDN %", "L2 GDN %", "balance",
                           "train time s"]))
     print("\nGDN share over training (eval-mode argmax on the fixed val batches, `step: L1/L2` in %):\n")

@@ -33,7 +33,6 @@ PAPER_BUDGET = ("--dataset=shakespeare --n_layer=6 --n_head=4 --n_embd=64 --bloc
 # the paper preset at a proxy keeping its 8.53 tokens per parameter: 4 × 128, 833 × 64 × 128 tokens; the last
 # 125 iterations (15%, as 750 of 5000) branch from the step-708 checkpoint
 N, AT = 833, 708
-SNAP = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")  # what a branch resumes from
 PROXY = (f"--model=tsa --dataset=shakespeare --preset=paper --n_layer=4 --n_head=4 --n_embd=128 --max_iters={N} "
          "--eval_interval=236 --eval_iters=20 --log_interval=100").split()
 DENSE = (f"--model=gpt --dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --max_iters={N} --batch_size=64 "
@@ -47,8 +46,7 @@ def run(out, name, flags, a):
 
 
 def study(a):
-    """results/tsa.md, "A small-scale study": dense vs TSA at 4×128, 600 iterations (seeds 1, 2), the λ sweep,
-    the early-exit baseline, a 150-iteration straight-through phase from λ=0.05, copy vs sort, a longer pair."""
+    """results/tsa.md, "A small-scale study": dense vs TSA at 4×128 (seeds 1, 2) and its variants."""
     M = SMALL + ["--max_iters=600", "--eval_interval=600"]
     for s in (1, 2):
         run(a.out, f"dense_s{s}", ["--model=gpt", *M, f"--seed={s}"], a)
@@ -70,8 +68,7 @@ def study(a):
 
 
 def budget(a):
-    """results/tsa.md, "At the paper's token budget": P (41M tokens at 6 × 64), D (the default preset), then straight-
-    through phases at λ from each TSA run, and the dense run continued alike (densecont, the control)."""
+    """results/tsa.md, "At the paper's token budget": P (6 × 64, 41M tokens), D (the default), their ST phases."""
     s, D = a.seed, ["--dataset=shakespeare"]
 
     def ft(name, start, iters, model, *flags):
@@ -92,12 +89,8 @@ def budget(a):
     run(a.out, f"P_lam0.05_s{s}", ["--model=tsa", *PAPER_BUDGET, SOFT, "--lam=0.05", f"--seed={s}"], a)
 
 
-# ----------------------------------------------------------------------------------------------------
-# the final evaluation of a run, and the tables of `study` and `budget`
-
 def record(run, out, eval_iters, eval_seed=None):
-    """gpt: val loss. TSA: soft val, hard val (01 / scaled gates), soft α (eq. 6), hard α, per-router active fractions,
-    max |sparse − eval| logits, sparse val. Early exit: its sweep. On eval_iters fixed batches (seed: eval_seed)."""
+    """A run's final evaluation on eval_iters fixed val batches (seed: eval_seed), appended to `out`."""
     import common
     import torch
     import tsa
@@ -244,23 +237,21 @@ def table(a):
     print("\n".join(out))
 
 
-# ----------------------------------------------------------------------------------------------------
-# the paper preset at the CPU proxy: one soft run per seed, branches from its step-708 checkpoint
-
 def snapshot(a, s):
-    """The paper's soft recipe to N iterations (soft_sS); its checkpoint at step AT is copied to snap708_sS as soon as
-    it is written (the next one comes 125 iterations later). Reused when both exist; resumed from an earlier one."""
+    """The soft recipe to N iterations (soft_sS), its step-AT checkpoint copied to snap708_sS once written."""
     base, snap = os.path.join(ROOT, a.out, f"soft_s{s}"), os.path.join(ROOT, a.out, f"snap{AT}_s{s}")
-    flags = [*PROXY, f"--seed={s}", SOFT, f"--out_dir={a.out}/soft_s{s}"]
+    flags = [*PROXY, f"--seed={s}", SOFT]
     if a.dry_run:
-        print("python train.py " + " ".join(flags))
-    if a.dry_run or os.path.exists(os.path.join(base, "done")) and os.path.exists(os.path.join(snap, "ckpt.pt")):
+        return train_run(f"{a.out}/soft_s{s}", flags, dry=True)
+    if os.path.exists(os.path.join(base, "done")) and os.path.exists(os.path.join(snap, "ckpt.pt")):
         return
     import common
+    import train
     os.makedirs(base, exist_ok=True)
     ckpt = os.path.join(base, "ckpt.pt")
     resume = os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] < AT
-    flags.append("--resume" if resume else "--overwrite")  # past AT without its snapshot: start over
+    # past AT without its snapshot: start over
+    flags += [f"--out_dir={a.out}/soft_s{s}", "--resume" if resume else "--overwrite"]
     with open(base + ".log", "a") as log:
         p = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     while not (os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] >= AT):  # written atomically
@@ -270,7 +261,7 @@ def snapshot(a, s):
     if common.load_checkpoint(ckpt)["iter"] != AT:
         raise common.NanorouteError(f"soft_s{s} went past step {AT} before its checkpoint was copied")
     shutil.rmtree(snap, ignore_errors=True)
-    shutil.copytree(base, snap, ignore=lambda d, names: [n for n in names if n not in SNAP])
+    shutil.copytree(base, snap, ignore=lambda d, names: [n for n in names if n not in train.RUN_FILES])
     if p.wait():
         raise common.NanorouteError(f"soft_s{s} failed: see {base}.log")
     open(os.path.join(base, "done"), "w").close()
@@ -288,8 +279,7 @@ def branch(a, s, name, flags):
 
 
 def proxy(a):
-    """results/tsa.md, "Paper preset, CPU proxy": soft_sS, then from step 708 the last 15% straight-through with the
-    routers trained, frozen, or calibrated (the preset's), and the control softlr_sS (only the lr restart)."""
+    """results/tsa.md, "Paper preset, CPU proxy": soft_sS, then each branch of the last 15% from step 708."""
     for b in a.branches:
         branch(a, a.seed, f"{'softlr' if b == 'soft' else b}_s{a.seed}", [f"--hard_ft_routers={b}"])
 
@@ -310,9 +300,7 @@ def references(root, names):
 
 
 def proxy_table(a):
-    """Per run: best and last val (hard: the preset's "01" gates, what sparse inference runs), the soft pass on the
-    same batches, hard − soft, hard against the paper's soft-only model and against the control of the same seed,
-    and the share of token-layers really skipped."""
+    """Per proxy run: best and last val (hard "01" gates), soft val, and hard against the references."""
     (root, names), rows = compare.finished(a.root, "train them with `python experiments/tsa.py proxy --seed S`"), []
     refs = references(root, names)
     for d in names:
@@ -332,8 +320,7 @@ def proxy_table(a):
 
 
 def curve(a):
-    """Per seed and share S, the 125-iteration branch with the routers calibrated to execute a share S of the routed
-    token-layers (tsa.Config.exec_share), into share<S>_s<seed>."""
+    """Per seed and share S, the branch calibrated to execute a share S (exec_share) into share<S>_s<seed>."""
     for s in a.seeds:
         for share in a.shares:
             branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
@@ -345,23 +332,18 @@ def setting(run):
     return cfg["dropout"], cfg["learning_rate"]
 
 
-def final_runs(root, names, prefix):
-    """The finished runs <prefix>*_sS: {(dropout, lr): {seed: final eval line}} and the run names."""
-    by, out = {}, []
-    for d in names:
-        if d.startswith(prefix):
-            run, seed = os.path.join(root, d), d.rpartition("_s")[2]
-            by.setdefault(setting(run), {})[seed] = evals(run)[-1]
-            out.append(d)
-    return by, out
+def dense_runs(root, names):
+    """The finished dense_*_sS runs (`grid --model gpt`): {(dropout, lr): {seed: final val loss}}."""
+    by = {}
+    for run, seed in [(os.path.join(root, d), d.rpartition("_s")[2]) for d in names if d.startswith("dense_")]:
+        by.setdefault(setting(run), {})[seed] = evals(run)[-1]["val_loss"]
+    return by
 
 
 def curve_table(a):
-    """One row per share (mean ± sd over seeds): hard val, soft val, hard against the soft-only model, the control
-    (softlr) and the best dense GPT, token-layers, TLOps and FLOPs saved (hard); --png F draws hard val vs TLOps."""
+    """One row per share (mean ± sd over seeds), the dense GPTs, TSA's grid runs; --png F: hard val vs TLOps."""
     (root, names), by = compare.finished(a.root, "train them with `python experiments/tsa.py curve` and `grid`"), {}
-    refs, (dense, _) = references(root, names), final_runs(root, names, "dense_")
-    dense = {k: {s: e["val_loss"] for s, e in v.items()} for k, v in dense.items()}    # setting -> {seed: val}
+    refs, dense = references(root, names), dense_runs(root, names)  # setting -> {seed: val}
     best = min(dense, key=lambda k: compare.mean_sd(list(dense[k].values()))[0]) if dense else None
     refs["dense"] = dense.get(best, {})
     for d in names:
@@ -383,7 +365,7 @@ def curve_table(a):
                     for (do, lr), v in sorted(dense.items())], ["dense GPT", "seeds", "final val"]))
     print(f"best dense GPT: dropout {best[0]}, lr {best[1]:g}\n" if best else "")
     rows, points = [], []  # TSA's whole recipe at other settings (`grid --model tsa`)
-    for d in final_runs(root, names, "tsa_")[1]:
+    for d in [d for d in names if d.startswith("tsa_")]:
         e, seed, (do, lr) = evals(os.path.join(root, d))[-1], d.rpartition("_s")[2], setting(os.path.join(root, d))
         same = dense.get((do, lr), {})
         points.append((f"TSA's whole recipe at dropout {do}, lr {lr:g}", 100 * e["val_tlops_saved_hard"], e["val_loss"]))
@@ -417,9 +399,8 @@ def plot_curve(by, refs, points, path):
 
 
 def grid(a):
-    """At the proxy's size and budget, for every dropout × peak lr (min_lr = lr/10) and seed: the dense GPT (--model
-    gpt: dense_do<D>_lr<LR>_sS) or TSA's whole paper-preset recipe at each exec_share, its straight-through phase
-    restarting at that lr (--model tsa: tsa_do<D>_lr<LR>_share<S>_sS). curve-table lists them."""
+    """At the proxy, per dropout × peak lr (min_lr = lr/10) and seed: the dense GPT (dense_do<D>_lr<LR>_sS)
+    or TSA's whole recipe per exec_share, its ST phase at that lr (tsa_do<D>_lr<LR>_share<S>_sS)."""
     shares = a.shares if a.model == "tsa" else [""]
     for do, lr, s, S in itertools.product(a.dropouts, a.lrs, a.seeds, shares):
         flags = [f"--dropout={do}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}", f"--seed={s}"]
