@@ -5,8 +5,9 @@ All four routers against dense GPTs of matched inference cost: the tables of res
   python experiments/compare.py --budget gpu --jobs 6 --device cuda   # GPU budget: ~7 minutes on one H100
   python experiments/compare.py --table-only                          # rebuild the CPU table from its records
 
-Each run trains with train.py (2 seeds, --jobs at a time; a finished run is not redone), then is measured into
-results/compare<_budget>/<run>-s<seed>.json; the tables come from those files only (method: results/compare.md).
+Each run trains with train.py (2 seeds, --jobs at a time; a finished run is not redone), then is
+measured into results/compare<_budget>/<run>-s<seed>.json; the tables come from those files only
+(the method: results/compare.md).
 """
 import argparse
 import dataclasses
@@ -74,8 +75,8 @@ def train(name, seed, out, base, quick=False, device="auto"):
 
 
 def schedule(tasks, deps, work, jobs):
-    """work(task) for every task, `jobs` at a time, each after its deps that are in `tasks`; returns the
-    tasks in the order they finished. The first failure stops new starts and is raised."""
+    """work(task) for every task, `jobs` at a time, each after its deps that are in `tasks`; returns
+    the tasks in the order they finished. The first failure stops new starts and is raised."""
     pending, running, done = list(tasks), {}, []
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         while pending or running:
@@ -95,9 +96,9 @@ def schedule(tasks, deps, work, jobs):
 def load(d, block_size=None, device="cpu"):
     """The trained model of run dir d; block_size > trained: positions tiled (for long-context timing)."""
     import common
-    import train
+    from train import model_module
     ckpt = common.load_checkpoint(os.path.join(d, "ckpt.pt"))
-    module = train.model_module(ckpt["config"]["model"])[1]
+    module = model_module(ckpt["config"]["model"])[1]
     cfg = module.Config(**ckpt["config"])
     state = ckpt["model"]
     if block_size and block_size > cfg.block_size:
@@ -200,7 +201,8 @@ def on_line(name, rs):
 
 
 def dense_line(groups):
-    return sorted((mean_sd([r["flops_ratio"] for r in rs])[0], mean_sd([r["val_loss"] for r in rs])[0])
+    mean = lambda rs, k: mean_sd([r[k] for r in rs])[0]  # noqa: E731
+    return sorted((mean(rs, "flops_ratio"), mean(rs, "val_loss"))
                   for name, rs in groups.items() if on_line(name, rs))
 
 
@@ -222,7 +224,7 @@ def verdict(loss, sd, line_loss):
 
 
 def control_of(name):
-    """The dense run trained on from the same checkpoint for the same steps (None: no checkpoint, or gpt)."""
+    """The dense run trained on from the same checkpoint for the same steps (None: none, or gpt)."""
     model, flags = RUNS.get(name, ("", {}))
     if model == "gpt" or not parent(name):
         return None
@@ -270,7 +272,7 @@ def table(records):
 
 
 def write_section(md, key, text, title="# All four routers vs dense GPTs of matched cost\n"):
-    """Replace (or append) the page's section between <!-- key --> and <!-- /key -->, keeping the rest."""
+    """Replace (or append) the page's section <!-- key --> ... <!-- /key -->, keeping the rest."""
     start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
     page = open(md).read() if os.path.exists(md) else title
     block = f"{start}\n{text.rstrip()}\n{end}\n"
@@ -298,8 +300,8 @@ def section(budget, records, rec_dir):
 
 
 def train_run(out_dir, flags, after=None, dry=False):
-    """python train.py FLAGS --out_dir=OUT_DIR (log: OUT_DIR.log), after(out_dir), a `done` file; a rerun
-    skips, finishes or resumes each run: a study continues where it stopped. dry: print only."""
+    """python train.py FLAGS --out_dir=OUT_DIR (log: OUT_DIR.log), after(out_dir), a `done` file; a
+    rerun skips, finishes or resumes each run: a study goes on where it stopped. dry: print only."""
     path = os.path.join(ROOT, out_dir)
     if os.path.exists(os.path.join(path, "done")):
         print(f"skip {out_dir}")
@@ -331,7 +333,7 @@ def parser(doc):
 
 
 def csv(cast=str, choices=(), keep=False):
-    """An argparse type: 'a,b' -> [cast(a), cast(b)] (keep: the texts, checked: '0.70' stays '0.70')."""
+    """An argparse type: 'a,b' -> [cast(a), cast(b)] (keep: the checked texts, '0.70' stays)."""
     def parse(text):
         try:
             items = [(cast(x), x)[keep] for x in text.split(",")]
@@ -345,7 +347,7 @@ def csv(cast=str, choices=(), keep=False):
 
 
 def entry(main, *args):
-    """Run a script's command; a bad input or failed train.py run is one `error:` line and exit 2."""
+    """Run a script's command; bad input or a failed train.py run: one `error:` line, exit 2."""
     from common import NanorouteError  # here: --help and argparse's errors need no torch
     try:
         return main(*args)
@@ -373,7 +375,7 @@ def finished(root, hint):
 
 
 def study_cli(doc, commands, out, argv=None, p=None):
-    """A study script's command line, CMD [--out DIR] [--dry-run] (and p's options), then its command."""
+    """A study script's command line, CMD [--out DIR] [--dry-run] (and p's options); runs CMD."""
     p = p or parser(doc)
     p.add_argument("cmd", choices=list(commands))
     p.add_argument("--out", default=out, help="the runs' folder")
@@ -384,7 +386,8 @@ def study_cli(doc, commands, out, argv=None, p=None):
 
 def evals(run, kind="eval"):
     """The `kind` lines of a train.py run's metrics.jsonl (the last eval line: the final model)."""
-    return [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if r["kind"] == kind or not kind]
+    recs = map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+    return [r for r in recs if r["kind"] == kind or not kind]
 
 
 def main(argv=None):

@@ -6,8 +6,8 @@ ctx 64) is the pretrained start; controller-only runs from it (the paper's §3.4
   python experiments/conddepth.py chain    # every run, measured under every inference mode into OUT/<run>.json
   python experiments/conddepth.py table    # the tables, from those records
 
-Every run evaluates on the same 10 validation batches (eval seed 1337), so recipes compare paired; hit thresholds
-are fixed from two pilot runs (G1, G3, seed 0) before the main runs (thresholds()).
+Every run evaluates on the same 10 validation batches (eval seed 1337), so recipes compare paired;
+hit thresholds are fixed from two pilot runs (G1, G3, seed 0) before the main runs (thresholds()).
 """
 import dataclasses
 import glob
@@ -50,8 +50,8 @@ def chain(a):
 
 
 def evaluate(run, out):
-    """The final val loss under every inference mode (causal thresholds: what inference runs; the paper's
-    top-k: the training computation), dense and sparse; the eval curve and the mean grad-norm of every step."""
+    """The final val loss under every inference mode (causal thresholds: what inference runs; the
+    paper's top-k: the training computation), dense and sparse; the eval curve; mean grad-norm."""
     import common
     import torch
     model, cfg, _ = load(run)
@@ -75,7 +75,7 @@ def evaluate(run, out):
 
 
 def thresholds(R):
-    """S = mean pilot step-0 val, E = mean pilot best val: thresholds E + f·(S − E), f = 0.5 / 0.25 / 0.1."""
+    """S, E = mean pilot step-0 and best val: thresholds E + f·(S − E), f = 0.5 / 0.25 / 0.1."""
     pilots = [json.load(open(os.path.join(ROOT, R, f"pilot-{g}.json"))) for g in ("G1", "G3")]
     S = np.mean([p["evals"][0]["soft_loss"] for p in pilots])
     E = np.mean([min(e["soft_loss"] for e in p["evals"]) for p in pilots])
@@ -84,8 +84,8 @@ def thresholds(R):
 
 
 def metrics(run, th):
-    """Curve metrics on the top-k val loss: the causal one's budget drifts while θ is learnt (all cheap at step
-    0), so its "best" would reward moments."""
+    """Curve metrics on the top-k val loss: the causal one's budget drifts while θ is learnt (all
+    cheap at step 0), so its "best" would reward moments."""
     ev, last = run["evals"], run["evals"][-1]
     steps, loss = [e["step"] for e in ev], [e["soft_loss"] for e in ev]
     return {"step0": loss[0], "best": min(loss), "end": loss[-1], "avg_all": float(np.mean(loss)),

@@ -42,7 +42,8 @@ def table(a):
                          fr("val_gdn_frac_l2"), f"{e.get('val_balance', float('nan')):.3f}", f"{e['time']:.0f}"])
         if len(finals) > 1:
             m, sd = mean_sd([e["val_loss"] for e in finals])
-            rows.append([f"**{name} mean ± sd**", f"{len(finals)} seeds", "", f"**{m:.4f} ± {sd:.4f}**", *[""] * 5])
+            rows.append([f"**{name} mean ± sd**", f"{len(finals)} seeds", "",
+                         f"**{m:.4f} ± {sd:.4f}**", *[""] * 5])
     print(md_table(rows, ["run", "seed", "steps", "val loss (final)", "val acc", "L1 GDN %", "L2 GDN %", "balance",
                           "train time s"]))
     print("\nGDN share over training (eval-mode argmax on the fixed val batches, `step: L1/L2` in %):\n")

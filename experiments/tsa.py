@@ -46,7 +46,7 @@ def run(out, name, flags, a):
 
 
 def study(a):
-    """results/tsa.md, "A small-scale study": dense vs TSA at 4×128 (seeds 1, 2) and its variants."""
+    """results/tsa.md, "A small-scale study": dense vs TSA at 4×128, seeds 1, 2, and variants."""
     M = SMALL + ["--max_iters=600", "--eval_interval=600"]
     for s in (1, 2):
         run(a.out, f"dense_s{s}", ["--model=gpt", *M, f"--seed={s}"], a)
@@ -68,7 +68,7 @@ def study(a):
 
 
 def budget(a):
-    """results/tsa.md, "At the paper's token budget": P (6 × 64, 41M tokens), D (the default), their ST phases."""
+    """results/tsa.md, "At the paper's token budget": P (6 × 64), D (default), their ST phases."""
     s, D = a.seed, ["--dataset=shakespeare"]
 
     def ft(name, start, iters, model, *flags):
@@ -90,7 +90,7 @@ def budget(a):
 
 
 def record(run, out, eval_iters, eval_seed=None):
-    """A run's final evaluation on eval_iters fixed val batches (seed: eval_seed), appended to `out`."""
+    """A run's final evaluation on eval_iters fixed val batches (seed: eval_seed), added to out."""
     import common
     import torch
     import tsa
@@ -153,11 +153,8 @@ def saved(r, k):
 
 def interp(sweep, alpha):
     """Early-exit val loss at a given α, linear between the two nearest sweep points."""
-    pts = sorted((r["alpha"], r["val_loss"]) for r in sweep)
-    for (a0, l0), (a1, l1) in zip(pts, pts[1:]):
-        if a0 <= alpha <= a1:
-            return l0 if a1 == a0 else l0 + (l1 - l0) * (alpha - a0) / (a1 - a0)
-    return float("nan")
+    at = compare.dense_loss_at(sorted((r["alpha"], r["val_loss"]) for r in sweep), alpha)
+    return float("nan") if at is None else at
 
 
 GROUPS = {"P_": "paper token budget (6×64, 5000 × 64 × 128 = 41M tokens)",
@@ -238,7 +235,7 @@ def table(a):
 
 
 def snapshot(a, s):
-    """The soft recipe to N iterations (soft_sS), its step-AT checkpoint copied to snap708_sS once written."""
+    """The soft recipe to N iterations (soft_sS); its step-AT checkpoint copied to snap708_sS."""
     base, snap = os.path.join(ROOT, a.out, f"soft_s{s}"), os.path.join(ROOT, a.out, f"snap{AT}_s{s}")
     flags = [*PROXY, f"--seed={s}", SOFT]
     if a.dry_run:
@@ -261,7 +258,7 @@ def snapshot(a, s):
     if common.load_checkpoint(ckpt)["iter"] != AT:
         raise common.NanorouteError(f"soft_s{s} went past step {AT} before its checkpoint was copied")
     shutil.rmtree(snap, ignore_errors=True)
-    shutil.copytree(base, snap, ignore=lambda d, names: [n for n in names if n not in train.RUN_FILES])
+    shutil.copytree(base, snap, ignore=lambda d, names: set(names) - set(train.RUN_FILES))
     if p.wait():
         raise common.NanorouteError(f"soft_s{s} failed: see {base}.log")
     open(os.path.join(base, "done"), "w").close()
@@ -279,7 +276,7 @@ def branch(a, s, name, flags):
 
 
 def proxy(a):
-    """results/tsa.md, "Paper preset, CPU proxy": soft_sS, then each branch of the last 15% from step 708."""
+    """results/tsa.md, "Paper preset, CPU proxy": soft_sS, then each branch of its last 15%."""
     for b in a.branches:
         branch(a, a.seed, f"{'softlr' if b == 'soft' else b}_s{a.seed}", [f"--hard_ft_routers={b}"])
 
@@ -300,7 +297,7 @@ def references(root, names):
 
 
 def proxy_table(a):
-    """Per proxy run: best and last val (hard "01" gates), soft val, and hard against the references."""
+    """Per proxy run: best and last val (hard "01" gates), soft val, hard vs the references."""
     (root, names), rows = compare.finished(a.root, "train them with `python experiments/tsa.py proxy --seed S`"), []
     refs = references(root, names)
     for d in names:
@@ -320,7 +317,7 @@ def proxy_table(a):
 
 
 def curve(a):
-    """Per seed and share S, the branch calibrated to execute a share S (exec_share) into share<S>_s<seed>."""
+    """Per seed and share S, the branch calibrated to exec_share S, into share<S>_s<seed>."""
     for s in a.seeds:
         for share in a.shares:
             branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
@@ -333,15 +330,16 @@ def setting(run):
 
 
 def dense_runs(root, names):
-    """The finished dense_*_sS runs (`grid --model gpt`): {(dropout, lr): {seed: final val loss}}."""
+    """The finished dense_*_sS runs (grid --model gpt): {(dropout, lr): {seed: final val loss}}."""
     by = {}
-    for run, seed in [(os.path.join(root, d), d.rpartition("_s")[2]) for d in names if d.startswith("dense_")]:
-        by.setdefault(setting(run), {})[seed] = evals(run)[-1]["val_loss"]
+    for d in [d for d in names if d.startswith("dense_")]:
+        run = os.path.join(root, d)
+        by.setdefault(setting(run), {})[d.rpartition("_s")[2]] = evals(run)[-1]["val_loss"]
     return by
 
 
 def curve_table(a):
-    """One row per share (mean ± sd over seeds), the dense GPTs, TSA's grid runs; --png F: hard val vs TLOps."""
+    """One row per share (mean ± sd over seeds), the dense GPTs, TSA's grid runs; --png: a plot."""
     (root, names), by = compare.finished(a.root, "train them with `python experiments/tsa.py curve` and `grid`"), {}
     refs, dense = references(root, names), dense_runs(root, names)  # setting -> {seed: val}
     best = min(dense, key=lambda k: compare.mean_sd(list(dense[k].values()))[0]) if dense else None
@@ -399,8 +397,9 @@ def plot_curve(by, refs, points, path):
 
 
 def grid(a):
-    """At the proxy, per dropout × peak lr (min_lr = lr/10) and seed: the dense GPT (dense_do<D>_lr<LR>_sS)
-    or TSA's whole recipe per exec_share, its ST phase at that lr (tsa_do<D>_lr<LR>_share<S>_sS)."""
+    """At the proxy, per dropout × peak lr (min_lr = lr/10) and seed: the dense GPT
+    (dense_do<D>_lr<LR>_sS) or TSA's recipe per exec_share, its ST phase at that lr
+    (tsa_do<D>_lr<LR>_share<S>_sS)."""
     shares = a.shares if a.model == "tsa" else [""]
     for do, lr, s, S in itertools.product(a.dropouts, a.lrs, a.seeds, shares):
         flags = [f"--dropout={do}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}", f"--seed={s}"]
