@@ -1,19 +1,22 @@
 """
 nanoroute/common.py: the small shared core every paper file imports.
 
-1. data      prepare() writes data/<name>/{train,val}.bin (uint16) + meta.json once; get_batch() reads windows.
-2. blocks    the pre-norm GPT block (attention and FFN deltas apart) and the dense GPT baseline (`--model gpt`).
+1. data      prepare() writes data/<name>/{train,val}.bin (uint16) + meta.json once; get_batch()
+             reads windows.
+2. blocks    the pre-norm GPT block (attention and FFN deltas apart) and the dense GPT baseline.
 3. compute   TLOps savings Δ (TSA eq. 7) and forward FLOPs per token of each block component.
 4. plumbing  device/autocast/sync, AdamW groups, atomic checkpoints, eval loop, sampling.
+5. GPT-2     --init_from gpt2: Hugging Face GPT-2 weights (config.json + model.safetensors).
 
-Every model file has a `Config` and a `Model` whose `forward(idx, targets=None, sparse=False)` returns
-`(logits, loss, stats)`, with cached decoding through `prefill(idx)` / `step(tok, state)`.
+Every model file has a `Config` and a `Model` whose `forward(idx, targets=None, sparse=False)`
+returns `(logits, loss, stats)`, with cached decoding through `prefill(idx)` / `step(tok, state)`.
 """
 import hashlib
 import json
 import math
 import os
 import re
+import sys
 import time
 import zipfile
 from contextlib import nullcontext
@@ -53,7 +56,7 @@ class Config:
     weight_decay: float = 0.1  # AdamW's, on matrices only
     beta1: float = 0.9         # AdamW's β1
     beta2: float = 0.99        # AdamW's β2
-    grad_clip: float = 1.0     # clip the gradient norm to this (0: no clipping; the norm is logged either way)
+    grad_clip: float = 1.0     # clip the gradient norm to this (0: off; the norm is logged anyway)
     eval_interval: int = 750   # evaluate and checkpoint every this many steps
     eval_iters: int = 40       # fixed batches per evaluation
     log_interval: int = 50     # log the training loss every this many steps
@@ -68,7 +71,7 @@ class Config:
     dataset: str = "shakespeare"  # set by --dataset
 
     def __post_init__(self):
-        for f in fields(self):  # dataclasses do not check types; the CLI and checkpoints rely on them
+        for f in fields(self):  # dataclasses do not check types; the CLI and checkpoints need them
             v = getattr(self, f.name)
             if f.type is float and type(v) is int:
                 setattr(self, f.name, float(v))
@@ -77,13 +80,15 @@ class Config:
             elif f.type is float and not math.isfinite(v):
                 raise NanorouteError(f"{f.name} must be a finite number, got {v}")
         if self.gelu not in ("none", "tanh"):
-            raise NanorouteError(f"gelu must be 'none' (exact) or 'tanh' (GPT-2), got {self.gelu!r}")
+            raise NanorouteError("gelu must be 'none' (exact) or 'tanh' (GPT-2), "
+                                 f"got {self.gelu!r}")
         check_device_name(self.device)
-        at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size", "eval_iters",
-                        "eval_interval", "log_interval"),
+        at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size",
+                        "eval_iters", "eval_interval", "log_interval"),
                     0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr"),
                     -1: ("eval_seed",)}
-        for low, names in at_least.items():  # sizes first: a ratio of them (n_embd / n_head) needs them >= 1
+        # sizes first: a ratio of them (n_embd / n_head) needs them >= 1
+        for low, names in at_least.items():
             for name in names:
                 if getattr(self, name) < low:
                     raise NanorouteError(f"{name} must be >= {low}, got {getattr(self, name)}")
@@ -92,7 +97,8 @@ class Config:
         if not self.learning_rate > 0:
             raise NanorouteError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.min_lr > self.learning_rate:
-            raise NanorouteError(f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}")
+            raise NanorouteError(f"min_lr={self.min_lr} is above "
+                                 f"learning_rate={self.learning_rate}")
         for name in ("beta1", "beta2", "dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise NanorouteError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -100,11 +106,13 @@ class Config:
 
 # `--preset classroom` (each model adds its routing settings): ≤ 3 minutes on a 2-core laptop CPU.
 CLASSROOM = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, max_iters=1500,
-                 eval_interval=500, eval_iters=20, log_interval=100, learning_rate=2e-3, min_lr=1e-4,
-                 warmup_iters=50)
-# `--model gpt --preset paper`: TSA's paper size and budget, tuned to its dense baseline 1.4422 (results/tsa.md).
-PAPER = dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000, learning_rate=1e-3,
-             min_lr=1e-4, beta2=0.95, weight_decay=0.1, dropout=0.2, eval_interval=500)
+                 eval_interval=500, eval_iters=20, log_interval=100, learning_rate=2e-3,
+                 min_lr=1e-4, warmup_iters=50)
+# `--model gpt --preset paper`: TSA's paper size and budget, tuned to its dense baseline 1.4422
+# (results/tsa.md).
+PAPER = dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
+             learning_rate=1e-3, min_lr=1e-4, beta2=0.95, weight_decay=0.1, dropout=0.2,
+             eval_interval=500)
 PRESETS = {"classroom": CLASSROOM, "paper": PAPER}
 
 ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "gelu")
@@ -113,7 +121,8 @@ ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias"
 # 1. Data
 
 DATA_DIR = "data"
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                   "tinyshakespeare/input.txt")
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
 DATASETS = ("shakespeare", "shakespeare_bpe", "enwik8", "copy", "sort")
@@ -122,24 +131,28 @@ BOS, SEP, EOS = TASK_VOCAB, TASK_VOCAB + 1, TASK_VOCAB + 2
 
 
 def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20):
-    """Stream url to dest.part, check it, then rename: dest exists only if it is complete and intact."""
+    """Stream url to dest.part, check it, then rename: dest exists only complete and intact."""
     tmp, err = dest + ".part", None
     for attempt in range(retries):
         try:
             with requests.get(url, stream=True, timeout=timeout) as r:
                 r.raise_for_status()
-                total, done, h, t0 = int(r.headers.get("content-length", 0)), 0, hashlib.sha256(), time.time()
+                total = int(r.headers.get("content-length", 0))
+                done, h, t0 = 0, hashlib.sha256(), time.time()
                 with open(tmp, "wb") as f:
                     for block in r.iter_content(chunk):
-                        f.write(block); h.update(block); done += len(block)
-                        if total > 50 * chunk and time.time() - t0 > 2:
-                            print(f"\r  {done / 1e6:.0f}/{total / 1e6:.0f} MB", end="", flush=True); t0 = time.time()
+                        f.write(block)
+                        h.update(block)
+                        done += len(block)
+                        if total > 50 * chunk and time.time() - t0 > 2:  # a large file: progress
+                            print(f"\r  {done / 1e6:.0f}/{total / 1e6:.0f} MB", end="", flush=True)
+                            t0 = time.time()
                 if total and done != total:
                     raise IOError(f"download interrupted: got {done} of {total} bytes")
             if sha256 and h.hexdigest() != sha256:
                 os.remove(tmp)
-                raise NanorouteError(f"{url}: sha256 mismatch (got {h.hexdigest()[:12]}…, expected "
-                                     f"{sha256[:12]}…); place a good copy at {dest}")
+                raise NanorouteError(f"{url}: sha256 mismatch (got {h.hexdigest()[:12]}…, "
+                                     f"expected {sha256[:12]}…); place a good copy at {dest}")
             os.replace(tmp, dest)
             return dest
         except (requests.RequestException, IOError) as e:
@@ -171,20 +184,20 @@ def prepare(name, data_dir=DATA_DIR, url=None):
     if os.path.exists(meta_path):
         meta = load_meta(name, data_dir)
         for split in (k[:-len("_tokens")] for k in meta if k.endswith("_tokens")):
-            load_split(name, split, data_dir)  # a damaged preparation is refused here, before any work
+            load_split(name, split, data_dir)  # a damaged preparation is refused before any work
         return meta
     os.makedirs(d, exist_ok=True)
     splits, meta = {}, {"dataset": name}
     if name in ("shakespeare", "shakespeare_bpe"):
-        src = next((p for p in (os.path.join(d, "input.txt"), os.path.join(data_dir, "shakespeare", "input.txt"))
-                    if os.path.exists(p)), None)
+        places = (os.path.join(d, "input.txt"), os.path.join(data_dir, "shakespeare", "input.txt"))
+        src = next((p for p in places if os.path.exists(p)), None)
         if src is None:
             src = download(url or SHAKESPEARE_URL, os.path.join(d, "input.txt"), SHAKESPEARE_SHA256)
         try:
             text = open(src, encoding="utf-8").read()
         except UnicodeDecodeError as e:
-            raise NanorouteError(f"{src} is not UTF-8 text ({e.reason} at byte {e.start}); replace it with "
-                                 "Tiny Shakespeare's input.txt")
+            raise NanorouteError(f"{src} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                                 "replace it with Tiny Shakespeare's input.txt")
         n = int(0.9 * len(text))  # nanoGPT's 90/10 split, so val losses compare with its 1.4697
         if name == "shakespeare":
             chars = sorted(set(text))
@@ -244,27 +257,30 @@ def load_meta(name, data_dir=DATA_DIR):
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise NanorouteError(f"{path} is missing or corrupt ({type(e).__name__}): delete it if it is there and run "
-                             f"train.py --dataset {name} to prepare the data again")
+        raise NanorouteError(f"{path} is missing or corrupt ({type(e).__name__}): delete it if "
+                             f"it is there and run train.py --dataset {name} to prepare the data "
+                             "again")
 
 
 def load_split(name, split, data_dir=DATA_DIR):
-    """A split's tokens, memory-mapped, once its size is checked against meta.json (a truncated copy, a full
-    disk or an odd byte count would train on other data than the one prepared)."""
-    path, meta_path = os.path.join(data_dir, name, f"{split}.bin"), os.path.join(data_dir, name, "meta.json")
+    """A split's tokens, memory-mapped, once its size is checked against meta.json (a truncated
+    copy, a full disk or an odd byte count would train on other data than the one prepared)."""
+    path = os.path.join(data_dir, name, f"{split}.bin")
+    meta_path = os.path.join(data_dir, name, "meta.json")
     want = load_meta(name, data_dir).get(f"{split}_tokens")
     have = os.path.getsize(path) if os.path.isfile(path) else None
     if have is None or want is None or have != 2 * want or want < 2:
         found = "is missing" if have is None else f"has {have:,} bytes"
         expect = f"{want:,} uint16 tokens" if want is not None else f"no {split} split"
-        raise NanorouteError(f"{path} {found}, but {meta_path} says {expect}: the preparation is damaged; "
-                             f"delete {meta_path} and run again to re-prepare")
+        raise NanorouteError(f"{path} {found}, but {meta_path} says {expect}: the preparation is "
+                             f"damaged; delete {meta_path} and run again to re-prepare")
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
 def atomic_write(path, write):
-    """write(f) into path.tmp opened for bytes, then rename it over path: a failed write (a full disk, a kill)
-    leaves the previous file intact and no partial one, and is raised as an OSError naming path."""
+    """write(f) into path.tmp opened for bytes, then rename it over path: a failed write (a full
+    disk, a kill) leaves the previous file intact and no partial one, raised as an OSError naming
+    path."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     try:
         with open(path + ".tmp", "wb") as f:
@@ -273,7 +289,8 @@ def atomic_write(path, write):
     except BaseException as e:
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
-        err = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a failed write in a RuntimeError
+        # torch.save wraps a failed write in a RuntimeError
+        err = e if isinstance(e, OSError) else e.__context__
         if isinstance(err, OSError):
             raise OSError(err.errno, err.strerror or str(err), path) from None
         raise
@@ -285,18 +302,22 @@ def get_batch(data, meta, batch_size, block_size, rng, device="cpu"):
     if "record_len" in meta:
         R = meta["record_len"]
         rows = rng.integers(0, len(data) // R, size=batch_size)
-        rec = torch.from_numpy(np.stack([data[r * R:(r + 1) * R] for r in rows]).astype(np.int64))  # (B, R)
+        rec = np.stack([data[r * R:(r + 1) * R] for r in rows]).astype(np.int64)
+        rec = torch.from_numpy(rec)  # (B, R)
         x, y = rec[:, :-1].clone(), rec[:, 1:].clone()
         y[:, :TASK_LEN + 1] = -1  # positions 0..10 predict src and [SEP]
     else:
         if len(data) <= block_size:
-            raise NanorouteError(f"block_size={block_size} is longer than the split ({len(data)} tokens)")
+            raise NanorouteError(f"block_size={block_size} is longer than the split "
+                                 f"({len(data)} tokens)")
         ix = rng.integers(0, len(data) - block_size, size=batch_size)
-        x = torch.from_numpy(np.stack([data[i:i + block_size] for i in ix]).astype(np.int64))      # (B, T)
-        y = torch.from_numpy(np.stack([data[i + 1:i + 1 + block_size] for i in ix]).astype(np.int64))
+        x = np.stack([data[i:i + block_size] for i in ix]).astype(np.int64)  # (B, T)
+        y = np.stack([data[i + 1:i + 1 + block_size] for i in ix]).astype(np.int64)
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
     device = torch.device(device)
     if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        x, y = x.pin_memory(), y.pin_memory()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
 
@@ -550,6 +571,15 @@ class KVCache:
         return self.k, self.v
 
 
+def cond(pred, true_fn, false_fn, operands=()):
+    """A routed decode step's branch on a decision (a bool tensor pred): compiled, torch.cond, both
+    branches in one graph; eager, the host reads pred and runs one branch, so the other's work is
+    skipped, as the papers' inference rules say."""
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, true_fn, false_fn, operands)
+    return true_fn(*operands) if pred else false_fn(*operands)
+
+
 def past_mask(pos, S, dtype):
     """(1, S) additive attention mask in the cache's dtype: 0 at 0..pos, −inf after."""
     future = torch.arange(S, device=pos.device) > pos  # (S,)
@@ -605,10 +635,20 @@ def check_device_name(name):
         raise NanorouteError(f"device must be auto, cpu, cuda, cuda:N or mps, got {name!r}")
 
 
+def cli(main):
+    """A file's command line: main(argv); a NanorouteError is one `error:` line and exit 2."""
+    try:
+        main(sys.argv[1:])
+    except NanorouteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def pick_device(name="auto"):
     check_device_name(name)
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        mps = torch.backends.mps.is_available()
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     try:
         device = torch.device(name)
         torch.empty(1, device=device)
@@ -682,14 +722,15 @@ def save_checkpoint(path, **state):
 
 def load_checkpoint(path):
     if not os.path.isfile(path):
-        raise NanorouteError(f"checkpoint {path} not found" + (" (a directory)" if os.path.isdir(path) else ""))
+        where = " (a directory)" if os.path.isdir(path) else ""
+        raise NanorouteError(f"checkpoint {path} not found" + where)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # an empty file raises EOFError with no message
         why = (str(e).splitlines() or [""])[0][:120]
         raise NanorouteError(f"checkpoint {path} is corrupt or not a nanoroute checkpoint "
                              f"({type(e).__name__}{': ' + why if why else ''})")
-    if not isinstance(ckpt, dict) or "model" not in ckpt or not isinstance(ckpt.get("config"), dict):
+    if not (isinstance(ckpt, dict) and "model" in ckpt and isinstance(ckpt.get("config"), dict)):
         raise NanorouteError(f"checkpoint {path} has no model/config: not a nanoroute checkpoint")
     return ckpt
 
@@ -725,7 +766,7 @@ def estimate_loss(model, data, meta, cfg, device, split="val", sparse=False):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 5. GPT-2 weights: a Hugging Face GPT-2 (config.json + model.safetensors) as our state dict
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # 124M, 350M, 774M, 1.56B parameters

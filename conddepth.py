@@ -27,7 +27,7 @@ controller under an exact top-k budget.
     (21) L_alive  = 1/C Σ_l ReLU(p_min − p̄_l)
 
 Deviations, and choices where the paper is silent (results/conddepth.md says why):
-- the gate reads the FFN sub-layer input a (eq. 1), the only state that exists before the decision
+- the gate reads the FFN sub-layer input a (eq. 1), the only state there before the decision
 - the controller runs in fp32, from PyTorch's fan-in init (GPT's 0.02 gave var(u) ~ 1e-12)
 - inference routes causally, full iff u > θ_l, θ_l a running average of training's top-k cut
 - the oracle forks each (l, t) from the dense prefix; a layer's B·T forks run in one batch
@@ -37,7 +37,6 @@ Deviations, and choices where the paper is silent (results/conddepth.md says why
 - the backbone is frozen (§3.4) only with init_from; from scratch all trains (§7's future work)
 """
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -227,10 +226,8 @@ class Model(common.LM):
         for block in self.blocks[:self.cfg.n_layer - self.cfg.n_controlled]:
             x = block(x)
         topk = self.training or self.mode == "topk"  # training: always the top-k
-        if sparse:
-            h, r = sparse_controlled(self, x, topk, targets is not None)
-        else:
-            h, r = self.controlled(x, topk, False, targets is not None)
+        controlled = sparse_controlled if sparse else Model.controlled
+        h, r = controlled(self, x, topk, sparse, targets is not None)
         logits, lm_loss = self.head(h, targets)
         self.last_masks = r["m"]  # per layer (B, T)
         if lm_loss is None:
@@ -448,11 +445,8 @@ def oracle_labels(model, x, targets):
 
 # Sparse inference: each token runs its own FFN only
 
-# compiled: the full tokens' count is traced as a symbol, so the sparse layers are one graph
-@torch._dynamo.config.patch(capture_scalar_outputs=True)
-def sparse_controlled(model, x, topk, losses):
-    """Model.controlled with each token running its own FFN only (sparse_ffn)."""
-    return model.controlled(x, topk, True, losses)
+# Model.controlled compiled as one graph whatever the counts sparse_ffn gathers (symbols)
+sparse_controlled = torch._dynamo.config.patch(capture_scalar_outputs=True)(Model.controlled)
 
 
 def sparse_ffn(block, cheap, a, m):
@@ -508,8 +502,8 @@ def compute_vs_full(cfg):
 def main(argv):
     """`python conddepth.py`: §4's compute proxies of the recipes at the paper's size."""
     if argv not in ([], ["-h"], ["--help"]):
-        raise NanorouteError(f"conddepth.py takes no arguments, got {' '.join(argv)} (see --help)")
-    print("usage: python conddepth.py [-h]: §4's compute proxies (train with train.py)" if argv
+        raise NanorouteError(f"conddepth.py takes no arguments, got {' '.join(argv)}")
+    print("usage: python conddepth.py [-h]: §4's compute proxies" if argv
           else "recipe   FFN units: inference, training")
     for recipe in [] if argv else RECIPES:
         cfg = Config(**PRESETS["paper"], recipe=recipe)
@@ -517,7 +511,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except NanorouteError as e:
-        sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
+    common.cli(main)

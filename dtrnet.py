@@ -30,7 +30,6 @@ packed to the front (DTRBlock.attend_packed); `eval()` is the reference, eq. (6)
 cached decoding keeps K/V of a D layer's routed tokens only (no later token attends to the others).
 Numerics (common.py's policy): fp32 residual stream and router probabilities.
 """
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +113,7 @@ class Router(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.w1 = nn.Linear(cfg.n_embd, cfg.n_embd // 2, bias=cfg.bias)  # W1: d × d/2
-        self.w2 = nn.Linear(cfg.n_embd // 2, 2, bias=cfg.bias)           # W2: d/2 × 2
+        self.w2 = nn.Linear(cfg.n_embd // 2, 2, bias=cfg.bias)  # W2: d/2 × 2
 
     def forward(self, x):
         z = self.w2(F.silu(self.w1(x)))  # (B, T, 2) logits
@@ -125,14 +124,6 @@ def router_params(cfg):
     """Parameters one router adds: d·d/2 + d/2·2 (+ biases)."""
     h = cfg.n_embd // 2
     return cfg.n_embd * h + h * 2 + (h + 2) * cfg.bias
-
-
-def cond(pred, run, skip, operands):
-    """torch.cond; in eager mode the host reads pred and calls one branch (the other's work is
-    really skipped), where torch.cond would compile a tensor predicate."""
-    if not torch.compiler.is_compiling():
-        pred = bool(pred)  # a host sync
-    return torch.cond(pred, run, skip, operands)
 
 
 # Block
@@ -192,18 +183,19 @@ class DTRBlock(common.Block):
         q, k = self.proj(torch.gather(h, 1, idx), "qk").chunk(2, dim=-1)  # 2 × (B, R, C)
         q, k, vr = [self.attn.split_heads(t) for t in (q, k, torch.gather(v, 1, idx))]
         a = v.scatter(1, idx, self.attn.attend(q, k, vr))  # (B, T, C)
-        return a, (k, vr)                                  # K, V: (B, nh, R, hs)
+        return a, (k, vr)  # K, V: (B, nh, R, hs)
 
     def forward(self, x, packed=False):
         """x (B, T, C) -> (output, g_attn (B, T), δ (B, T), routed tokens' K, V or None)."""
-        h = self.ln_1(x)                         # (B, T, C)
+        h = self.ln_1(x)  # (B, T, C)
         g_attn, g_bypass, delta = self.route(x)  # eqs. (1)-(2)
-        v = self.proj(h, "v")                    # (B, T, C): every token's value (eq. 5)
+        v = self.proj(h, "v")  # (B, T, C): every token's value (eq. 5)
         if not packed:
             a, kv = self.attend_masked(h, v, delta), None
-        else:  # training pads every row to T: a shape the compiler sees, no host sync
-            R = x.size(1) if self.training else pack_length(delta)  # read on the host (sparse_trunk)
-            a, kv = self.attend_packed(h, v, delta, R)
+        elif self.training and torch.compiler.is_compiling():  # every row padded to T: one graph
+            a, kv = self.attend_packed(h, v, delta, x.size(1))
+        else:  # the longest row's length, read on the host
+            a, kv = self.attend_packed(h, v, delta, pack_length(delta))
         x = self.mix(x, a, h, v, delta, torch.where(delta, g_attn, g_bypass))
         return x + self.ffn_delta(x), g_attn, delta, kv
 
@@ -211,10 +203,10 @@ class DTRBlock(common.Block):
         """One token x (B, 1, C) against this layer's RoutedKVCache: a routed token (eq. 2) attends
         to the routed tokens before it and stays in the cache, a bypassed one takes eq. (5) alone.
         At B > 1 attention runs if any row is routed, and each row takes its own path."""
-        h = self.ln_1(x)                          # (B, 1, C)
-        g_attn, g_bypass, delta = self.route(x)   # (B, 1)
+        h = self.ln_1(x)  # (B, 1, C)
+        g_attn, g_bypass, delta = self.route(x)  # (B, 1)
         g = torch.where(delta, g_attn, g_bypass)  # (B, 1)
-        v = self.proj(h, "v")                     # (B, 1, C): eq. (5) needs it either way
+        v = self.proj(h, "v")  # (B, 1, C): eq. (5) needs it either way
         split = self.attn.split_heads
         K, V, mask = cache.append(split(self.proj(h, "k")), split(v), delta[:, 0])
 
@@ -225,7 +217,7 @@ class DTRBlock(common.Block):
         def bypassed(h, K, V, mask):  # eq. (5) for every row: no attention
             return self.mix(x, v, h, v, delta, g)
 
-        x = cond(delta.any(), routed, bypassed, (h, K, V, mask))  # (B, 1, C)
+        x = common.cond(delta.any(), routed, bypassed, (h, K, V, mask))  # (B, 1, C)
         return x + self.ffn_delta(x)
 
 
@@ -438,11 +430,13 @@ def flops_ratio(cfg, T, rho, hidden=None, pattern=None):
             / flops_per_token(cfg, T, [], hidden, "T" * len(pattern)))
 
 
+def main(argv):
+    """python dtrnet.py [-h]: what this file is; it takes no commands."""
+    if argv not in ([], ["-h"], ["--help"]):
+        raise NanorouteError(f"dtrnet.py takes no arguments, got {' '.join(argv)!r}")
+    print("usage: python dtrnet.py [-h]\nDefines the DTRNet model (no commands): train it with "
+          "`python train.py --model dtrnet`, time it with `python bench.py dtrnet`.")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] in ([], ["-h"], ["--help"]):
-        print("usage: python dtrnet.py [-h]\nDefines the DTRNet model (no commands): train it with "
-              "`python train.py --model dtrnet`, time it with `python bench.py dtrnet`.")
-    else:
-        print(f"error: dtrnet.py takes no arguments, got {' '.join(sys.argv[1:])!r}",
-              file=sys.stderr)
-        sys.exit(2)
+    common.cli(main)

@@ -38,7 +38,6 @@ Deviations from the paper, one line each (what they cost: results/hybrid.md):
   * q, k's L2 norm is x / max(‖x‖, 1e-6) (F.normalize); fla's kernels take x / √(‖x‖² + 1e-6).
 """
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -300,19 +299,11 @@ class Layer(nn.Module):
         if self.kind != "R":
             mix = gdn_read() if self.kind == "G" else attn_read()
         elif x.size(0) == 1:  # the paper's inference rule: the token reads through one mixer
-            mix = cond(soft.view(()), attn_read, gdn_read)
+            mix = common.cond(soft.view(()), attn_read, gdn_read)
         else:  # each row takes its own read
             mix = torch.where(soft[..., None], attn_read(), gdn_read())
         x = x + mix
         return x + self.mlp(self.ln_2(x))
-
-
-def cond(pred, true_fn, false_fn):
-    """torch.cond: compiled, a conditional in the graph; eager, the host reads pred and runs one
-    branch (torch.cond itself would compile the call in eager mode)."""
-    if torch.compiler.is_compiling():
-        return torch.cond(pred, true_fn, false_fn, ())
-    return true_fn() if pred else false_fn()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -539,8 +530,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except NanorouteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    common.cli(main)

@@ -33,7 +33,6 @@ Deviations from the paper and the authors' code, one line each (measured: result
 The early-exit baseline of §3.5 and App. D: class EarlyExit (`--variant=early_exit`).
 """
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -402,11 +401,8 @@ def decode_block(model, block, cache, x, pos, mask, p):
         x = gated(x, g, attn.c_proj(attn.attend(q, k, v, attn_mask=mask)))  # eq. (3)
         return gated(x, g, block.ffn_delta(x))  # eq. (4)
 
-    runs = active(p).any()
-    if not torch.compiler.is_compiling():
-        runs = runs.item()  # eager: decided on the host, so a skipped block is never dispatched
-    # compiled: both branches in the graph (a branch may not return its input: a copy)
-    return torch.cond(runs, run, lambda x: x.clone(), (x,))
+    # skipped: a copy, as a branch of torch.cond may not return its input
+    return common.cond(active(p).any(), run, lambda x: x.clone(), (x,))
 
 
 # Accounting: forward FLOPs per token
@@ -479,8 +475,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except NanorouteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    common.cli(main)

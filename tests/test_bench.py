@@ -263,7 +263,7 @@ CARELESS = {  # argv ({name} -> a path of ckpts) -> what the one error line says
     "budget_zero": (["gpu", "--budget", "0"], "--budget must be > 0"),
     "unknown_size": (["tsa", "--size", "huge"], "invalid choice"),
     "unknown_suite": (["ops"], "invalid choice"),
-    "unknown_device": (["tsa", "--device", "tpu"], "not available"),
+    "unknown_device": (["tsa", "--device", "tpu"], "device must be auto, cpu, cuda, cuda:N or mps"),
 }
 
 

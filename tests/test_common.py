@@ -815,7 +815,9 @@ def test_bench_paper_suites_quick_smoke(suite):
     decode = [r for r in rows if r["what"] == "decode"]
     assert decode and all(r["tokens_per_s"] > 0 and r["dense_tokens_per_s"] > 0 for r in decode)
     assert any(r["what"] == "crossover" for r in rows)
-    if suite != "hybrid":  # routers that skip work: fewer FLOPs per generated token than the dense GPT
+    # routers that skip work: fewer FLOPs per generated token than the dense GPT (conddepth's G3
+    # controller costs more than the half FFN it saves at the quick size's width of 64)
+    if suite in ("tsa", "dtrnet"):
         assert all(r["flops_ideal"] > 1.0 for r in decode), decode
 
 

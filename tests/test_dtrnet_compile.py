@@ -22,8 +22,8 @@ def counts(fn, *args):
 
 
 def test_training_step_is_one_graph_and_equals_eager():
-    """Forward and backward: one graph, no break (every row is packed to T, a shape the compiler
-    sees); the compiled loss and every gradient equal eager's."""
+    """Forward and backward: one graph, no break (compiled, every row is packed to T, a shape the
+    compiler sees); the compiled loss and every gradient equal eager's (the bucketed length)."""
     m = mixed().train()
     x, y = torch.randint(0, 50, (3, 40)), torch.randint(0, 50, (3, 40))
     graphs, breaks, _ = counts(lambda x, y: m(x, y)[1], x, y)
