@@ -503,7 +503,7 @@ def main(argv):
     """`python conddepth.py`: §4's compute proxies of the recipes at the paper's size."""
     if argv not in ([], ["-h"], ["--help"]):
         raise NanorouteError(f"conddepth.py takes no arguments, got {' '.join(argv)}")
-    print("usage: python conddepth.py [-h]: §4's compute proxies" if argv
+    print("usage: python conddepth.py [-h]: §4's compute proxies (train: train.py)" if argv
           else "recipe   FFN units: inference, training")
     for recipe in [] if argv else RECIPES:
         cfg = Config(**PRESETS["paper"], recipe=recipe)
