@@ -130,8 +130,9 @@ TASK_LEN, TASK_VOCAB = 10, 32               # TSA §3.1: length-10 sequences ove
 BOS, SEP, EOS = TASK_VOCAB, TASK_VOCAB + 1, TASK_VOCAB + 2
 
 
-def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20):
-    """Stream url to dest.part, check it, then rename: dest exists only complete and intact."""
+def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20, hint=None):
+    """Stream url to dest.part, check it, then rename: dest exists only complete and intact.
+    hint: what the error tells a user to do instead (default: place the file at dest)."""
     tmp, err = dest + ".part", None
     for attempt in range(retries):
         try:
@@ -160,8 +161,8 @@ def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20):
             time.sleep(min(2 ** attempt, 8) * (attempt + 1 < retries))
     if os.path.exists(tmp):
         os.remove(tmp)
-    raise NanorouteError(f"could not download {url} ({type(err).__name__}: {err}); "
-                         f"download it yourself and place it at {dest}")
+    hint = hint or f"download it yourself and place it at {dest}"
+    raise NanorouteError(f"could not download {url} ({type(err).__name__}: {err}); {hint}")
 
 
 def _task_records(kind, n, rng):
@@ -802,13 +803,8 @@ def gpt2_folder(init_from, data_dir=DATA_DIR, files=HF_FILES):
         if os.path.exists(dest):
             continue
         os.makedirs(folder, exist_ok=True)
-        try:
-            download(f"{base}/{f}", dest)
-        except NanorouteError as e:  # its message names one file: a user needs both, and where
-            kind, _, rest = str(e).partition(" (")[2].partition(": ")  # e.g. HTTPError: 404 Client…
-            why = kind + (f" {rest[:3]}" if rest[:3].isdigit() else "")
-            raise NanorouteError(f"could not download {base}/{f} ({why}); download "
-                                 f"{' and '.join(HF_FILES)} from {base}/ into {folder}/")
+        download(f"{base}/{f}", dest,  # a user needs both files, in one folder
+                 hint=f"download {' and '.join(HF_FILES)} from {base}/ into {folder}/")
     return folder
 
 
