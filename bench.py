@@ -538,10 +538,9 @@ class Rows(list):
         super().append(r)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in r.items()), flush=True)
-        if self.args.json:
-            with open(self.args.json + ".tmp", "w") as f:
-                json.dump({**self.head, "rows": list(self)}, f, indent=1)
-            os.replace(self.args.json + ".tmp", self.args.json)
+        if self.args.json:  # rewritten after every row: a run stopped half-way keeps its rows
+            text = json.dumps({**self.head, "rows": list(self)}, indent=1)
+            common.atomic_write(self.args.json, lambda f: f.write(text.encode()))
 
     def __iadd__(self, rs):
         for r in rs:
