@@ -6,21 +6,17 @@ Prints, per file: its command, torch, commit and device; a table of the timed ro
 model against the dense GPT of the same size: ms or tokens/s, speedup = dense / routed, and the
 FLOPs-ideal speedup); the graph counts per model and path; the rows skipped or failed, and why.
 """
-import argparse
 import json
-import sys
 
-from compare import md_table
+from compare import entry, md_table, parser
 
 
 def report(path):
     try:
         run = json.load(open(path))
         rows = run["rows"]
-    except OSError as e:
-        raise SystemExit(f"error: {path}: {e.strerror}")
-    except (ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"error: {path}: not a bench.py --json file ({type(e).__name__}: {e})")
+    except (ValueError, KeyError, TypeError) as e:  # an unreadable file: entry's OSError line
+        raise ValueError(f"{path}: not a bench.py --json file ({type(e).__name__}: {e})")
     if not rows:
         return 0
     print(f"{path}: `python {' '.join(run.get('argv', []))}`, torch {run.get('torch')}, commit "
@@ -28,13 +24,12 @@ def report(path):
     f = lambda v: f"{v:.3g}" if isinstance(v, float) else "–" if v is None else str(v)  # noqa: E731
     timed = [r for r in rows if "speedup" in r or "speed_ratio_ours_vs_plain" in r]
     mode = lambda r: "compiled" if r.get("compiled") else "eager"  # noqa: E731
-    print(md_table([[r["suite"], r["what"], mode(r), r.get("size"),
-                     f"{r['B']} × {r['T']}", f(r.get("share_set")),
+    print(md_table([[r["suite"], r["what"], mode(r), r.get("size"), f"{r['B']} × {r['T']}",
+                     f(r.get("share_set")),
                      f(r.get("routed_ms", r.get("ours_ms", r.get("tokens_per_s")))),
                      f(r.get("dense_ms", r.get("plain_ms", r.get("dense_tokens_per_s")))),
                      f(r.get("speedup", r.get("speed_ratio_ours_vs_plain"))),
-                     f(r.get("flops_ideal")),
-                     r["device"], r["dtype"]] for r in timed],
+                     f(r.get("flops_ideal")), r["device"], r["dtype"]] for r in timed],
                    ["suite", "what", "mode", "size", "B × T", "share", "routed ms (decode: tok/s)",
                     "dense", "speedup", "FLOPs-ideal", "device", "dtype"]))
     graphs = [r for r in rows if r["what"] == "graphs"]
@@ -50,24 +45,12 @@ def report(path):
     return len(timed) + len(graphs) + len(other)
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise SystemExit(f"error: {message} (see --help)")
-
-
 def main(argv=None):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("json", nargs="+", help="bench.py --json files")
-    args = p.parse_args(argv)
-    if not sum(report(path) for path in args.json):
-        raise SystemExit("error: no rows to tabulate in " + ", ".join(args.json))
+    paths = p.parse_args(argv).json
+    entry(lambda: sum(map(report, paths)) or p.error("no rows to tabulate in " + ", ".join(paths)))
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit as e:  # one line and exit 2 for what a user gave wrong
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-            sys.exit(2)
-        raise
+    main()

@@ -34,9 +34,7 @@ REF = "gpt-L6"  # the dense reference every ratio is taken against
 FT = {"init_from": "{gpt-L6}", "max_iters": 800, "learning_rate": 1e-3}
 RUNS = {  # name -> (model, flags): dense line first, then two operating points per router
     "gpt-L6": ("gpt", {}),
-    "gpt-L4": ("gpt", {"n_layer": 4}),
-    "gpt-L3": ("gpt", {"n_layer": 3}),
-    "gpt-L2": ("gpt", {"n_layer": 2}),
+    **{f"gpt-L{n}": ("gpt", {"n_layer": n}) for n in (4, 3, 2)},  # shallower dense GPTs
     "tsa-lam0.01": ("tsa", {"lam": 0.01}),  # the default recipe: the last 250 iterations straight-through
     "tsa-lam0.1": ("tsa", {"lam": 0.1}),
     "dtrnet-lam8e-4": ("dtrnet", {"lam": 8e-4, "layers": "bilayer"}),
@@ -99,8 +97,7 @@ def load(d, block_size=None, device="cpu"):
     from train import model_module
     ckpt = common.load_checkpoint(os.path.join(d, "ckpt.pt"))
     module = model_module(ckpt["config"]["model"])[1]
-    cfg = module.Config(**ckpt["config"])
-    state = ckpt["model"]
+    cfg, state = module.Config(**ckpt["config"]), ckpt["model"]
     if block_size and block_size > cfg.block_size:
         reps = math.ceil(block_size / cfg.block_size)
         state = {**state, "wpe.weight": state["wpe.weight"].repeat(reps, 1)[:block_size]}
@@ -359,18 +356,13 @@ def entry(main, *args):
         sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
 
 
-def refusal(message):
-    from common import NanorouteError
-    return NanorouteError(message)
-
-
 def finished(root, hint):
     """(root, the names of its runs that finished, with a `done` file); none is a one-line error saying how."""
     root = os.path.join(ROOT, root)
     runs = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "done"))) \
         if os.path.isdir(root) else []
     if not runs:
-        raise refusal(f"no finished runs in {root}: {hint}")
+        raise ValueError(f"no finished runs in {root}: {hint}")
     return root, runs
 
 
@@ -437,7 +429,7 @@ def run(args):
             print(f"{name} seed {seed}: val {rec['val_loss']:.4f}, FLOPs ratio {rec['flops_ratio']:.3f}", flush=True)
     records = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(rec_dir, "*.json")))]
     if not records:  # e.g. the GPU section, copied from the H100's files until its records exist
-        raise refusal(f"no records in {rec_dir}: nothing to tabulate, results/compare.md left as it is")
+        raise ValueError(f"no records in {rec_dir}: nothing to tabulate, results/compare.md left as it is")
     text = section(args.budget, records, rec_dir)
     write_section(os.path.join(results, "compare.md"), args.budget, text)
     print(text)

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from compare import ROOT, evals, load, md_table, refusal, study_cli, train_run
+from compare import ROOT, evals, load, md_table, study_cli, train_run
 
 RECIPES = ["G1", "G3", "A1", "A2", "A3-G1", "A3-G3"]
 # 300 controller steps of 16 × 64 tokens (paper: 20k steps of 16 × 256); labels from step 20, every 5
@@ -109,7 +109,7 @@ def hit(hs):
 def table(a):
     R, runs = os.path.join(ROOT, a.out), {}
     if not glob.glob(os.path.join(R, "*-s*.json")):
-        raise refusal(f"no run records in {R}: make them with `python experiments/conddepth.py chain`")
+        raise ValueError(f"no run records in {R}: make them with `python experiments/conddepth.py chain`")
     th = json.load(open(os.path.join(R, "thresholds.json")))["thresholds"]
     for p in glob.glob(os.path.join(R, "*-s*.json")):
         recipe, seed = os.path.basename(p)[:-5].rsplit("-s", 1)

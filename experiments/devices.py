@@ -44,8 +44,7 @@ def speed(name, device, dtype, repeats):
     x, y = common.get_batch(data, meta, cfg.batch_size, cfg.block_size, common.eval_rng(0, "val", 0), device)
     opt = common.make_optimizer(model, cfg, device)
 
-    def step():
-        model.train()
+    def step():  # a new model is in training mode
         with common.autocast(device, dtype):
             _, loss, _ = model(x, y)
         opt.zero_grad(set_to_none=True)

@@ -46,8 +46,7 @@ def table(a):
         by.setdefault(name, []).append((ev["val_loss"], frac, flops))
     print(md_table(rows, ["run", "seed", "val loss", "val acc", "routed frac (mean D)", "per-D-layer routed frac",
                           "FLOPs ratio @256", "sparse-path val loss"]))
-    dense = mean_sd([v[0] for v in by.get("dense", [(float("nan"),)])])[0]
-    rows = []
+    dense, rows = mean_sd([v[0] for v in by.get("dense", [(float("nan"),)])])[0], []
     for name, vals in by.items():
         (loss, sd), frac, flops = [mean_sd(list(v)) for v in zip(*vals)]
         spread = f" ± {sd:.4f}" if len(vals) > 1 else ""

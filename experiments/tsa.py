@@ -134,27 +134,18 @@ def record(run, out, eval_iters, eval_seed=None):
         f.write(json.dumps(rec) + "\n")
 
 
-def f4(v, n=4):
-    return f"{v:.{n}f}"
+# the tables' number formats: a value, its change against d, an α with the TLOps it saves
+f4 = lambda v, n=4: f"{v:.{n}f}"  # noqa: E731
+pct = lambda v, d: f"{f4(v)} ({100 * (v / d - 1):+.2f}%)"  # noqa: E731
+saved = lambda r, k: f"{f4(r['alpha' + k], 3)} ({100 * r['tlops_saved' + k]:.1f}%)"  # noqa: E731
+# the early-exit val loss at α, linear between the two nearest points of its threshold sweep
+interp = lambda sweep, alpha: compare.dense_loss_at(  # noqa: E731
+    sorted((r["alpha"], r["val_loss"]) for r in sweep), alpha) or float("nan")
 
 
 def mean_sd(xs, n=4, sign=""):
     m, sd = compare.mean_sd(xs)
     return f"{m:{sign}.{n}f} ± {sd:.{n}f}" if len(xs) > 1 else f"{m:{sign}.{n}f}"
-
-
-def pct(v, d):
-    return f"{f4(v)} ({100 * (v / d - 1):+.2f}%)"
-
-
-def saved(r, k):
-    return f"{f4(r['alpha' + k], 3)} ({100 * r['tlops_saved' + k]:.1f}%)"
-
-
-def interp(sweep, alpha):
-    """Early-exit val loss at a given α, linear between the two nearest sweep points."""
-    at = compare.dense_loss_at(sorted((r["alpha"], r["val_loss"]) for r in sweep), alpha)
-    return float("nan") if at is None else at
 
 
 GROUPS = {"P_": "paper token budget (6×64, 5000 × 64 × 128 = 41M tokens)",
@@ -189,7 +180,7 @@ def table(a):
     """The tables of results/tsa.md's `study` and `budget` sections from `eval` records (JSON lines)."""
     recs = {os.path.basename(r["run"]): r for r in map(json.loads, open(a.records))}
     if not recs:
-        raise compare.refusal(f"no records in {a.records}: write them with `python experiments/tsa.py eval`")
+        raise ValueError(f"no records in {a.records}: write them with `python experiments/tsa.py eval`")
     tsa = {k: r for k, r in recs.items() if r.get("variant") == "tsa"}
     out = [line for pre, title in GROUPS.items() for line in vs_dense(recs, pre, title)]
     for pre, start in (("P_", "lam0.001"), ("D_", "lam0.001"), ("", "lam0.05")):  # continued straight-through

@@ -295,6 +295,8 @@ EXPERIMENT_CASES = {
     "devices.py": [(["--device=tpu"], "device must be"), (["--dtypes", "fp8"], "invalid choice: 'fp8'")],
     "compare.py": [(["--runs=gpt-L5"], "unknown gpt-L5; choose from gpt-L6"), (["--seeds=one"], "got 'one'"),
                    (["--table-only", "--quick", "--out={tmp}"], "no records in"), (["--jobs=0"], ">= 1")],
+    "bench_report.py": [(["{tmp}/none.json"], "none.json: No such file"), ([], "required: json"),
+                        (["{empty}"], "not a bench.py --json file"), (["{norows}"], "no rows to tabulate")],
 }
 if not torch.cuda.is_available():
     EXPERIMENT_CASES["devices.py"].append((["--device=cuda"], "device 'cuda' is not available here"))
@@ -304,7 +306,9 @@ if not torch.cuda.is_available():
                                                   for a, m in cases])
 def test_experiments(script, argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "empty.jsonl").write_text("")
-    argv = [a.replace("{tmp}", str(tmp_path)).replace("{empty}", str(tmp_path / "empty.jsonl")) for a in argv]
+    (tmp_path / "norows.json").write_text('{"rows": []}')
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{empty}", str(tmp_path / "empty.jsonl"))
+            .replace("{norows}", str(tmp_path / "norows.json")) for a in argv]
     monkeypatch.setattr(sys, "path", sys.path + [EXP])  # after the model files: experiments/tsa.py shadows nothing
     monkeypatch.setattr(sys, "argv", [script, *argv])
     assert message in one_error(capsys, lambda: runpy.run_path(os.path.join(EXP, script), run_name="__main__"))
