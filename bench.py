@@ -153,17 +153,19 @@ def configs(suite, size, share):
 @torch.no_grad()
 def set_share(suite, model, x, share):
     """Shift each router so that about `share` of x's tokens take its costly path (TSA: run the
-    block; DTRNet: attention; hybrid: softmax attention; conddepth: the full FFN, by its own
-    calibrate_thresholds), in depth order, each on the decisions of the routers before it. An eval
-    decision is a function of the token's state: the share holds in the forward and in decoding.
-    This reaches into the paper files (tsa: routers, fc2; dtrnet: blocks, router, w2; hybrid:
-    router; what a router's forward returns): where they are not found the model keeps its own
-    routing, and this returns "own" for its rows to say so."""
+    block; DTRNet: attention; hybrid: softmax attention; conddepth: the full FFN, θ set by a
+    training-mode pass at ρ = share), in depth order, each on the decisions of the routers before
+    it. An eval decision is a function of the token's state: the share holds in the forward and in
+    decoding. This reaches into the paper files (tsa: routers, fc2; dtrnet: blocks, router, w2;
+    hybrid: router; conddepth: threshold_batches; what a router's forward returns): where they
+    are not found the model keeps its own routing, and this returns "own" for its rows to say so."""
     model.eval()
     try:
         if suite == "conddepth":
             model.cfg.rho = share
-            model.calibrate_thresholds([x])  # θ at the budget ρ, as training sets it
+            model.threshold_batches.zero_()  # θ restarts from this batch's top-k cut at ρ
+            model.train()(x)
+            model.eval()
             return share
         if suite == "tsa":  # p = σ(z) > 0.5 halts: the costly path is z <= 0
             routers = [(r, lambda p: -torch.logit(p, 1e-6).flatten()[None], r.fc2)

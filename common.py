@@ -6,7 +6,6 @@ nanoroute/common.py: the small shared core every paper file imports.
 2. blocks    the pre-norm GPT block (attention and FFN deltas apart) and the dense GPT baseline.
 3. compute   TLOps savings Δ (TSA eq. 7) and forward FLOPs per token of each block component.
 4. plumbing  device/autocast/sync, AdamW groups, atomic checkpoints, eval loop, sampling.
-5. GPT-2     --init_from gpt2: Hugging Face GPT-2 weights (config.json + model.safetensors).
 
 Every model file has a `Config` and a `Model` whose `forward(idx, targets=None, sparse=False)`
 returns `(logits, loss, stats)`, with cached decoding through `prefill(idx)` / `step(tok, state)`.
@@ -20,7 +19,7 @@ import sys
 import time
 import zipfile
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import requests
@@ -220,7 +219,8 @@ def prepare(name, data_dir=DATA_DIR, url=None):
                     raise zipfile.BadZipFile("CRC mismatch")
                 raw = np.frombuffer(z.read("enwik8")[:10 ** 8], dtype=np.uint8)
         except (zipfile.BadZipFile, KeyError) as e:
-            raise NanorouteError(f"{zpath} is corrupt ({e}); delete it and run again, or place a good copy there")
+            raise NanorouteError(f"{zpath} is corrupt ({e}); delete it and run again, or place a "
+                                 "good copy there")
         n = len(raw)
         a, b = int(0.9 * n), int(0.95 * n)  # the standard 90M/5M/5M split
         splits = {"train": raw[:a], "val": raw[a:b], "test": raw[b:]}
@@ -229,17 +229,20 @@ def prepare(name, data_dir=DATA_DIR, url=None):
         rng = np.random.default_rng(1234 if name == "copy" else 4321)
         splits = {"train": _task_records(name, 10_000, rng), "val": _task_records(name, 1_000, rng)}
         meta.update(vocab_size=TASK_VOCAB + 3, record_len=2 * TASK_LEN + 3, unit="token")
-    short = {k: len(v) for k, v in splits.items() if len(v) < 2}  # a window needs an input and a target
+    short = {k: len(v) for k, v in splits.items() if len(v) < 2}  # a window: an input + a target
     if short:
-        raise NanorouteError(f"{name} gives a {', '.join(short)} split of {min(short.values())} token(s): its "
-                             f"input in {d} is empty or too short; put the full file there and run again")
+        raise NanorouteError(f"{name} gives a {', '.join(short)} split of {min(short.values())} "
+                             f"token(s): its input in {d} is empty or too short; put the full file "
+                             "there and run again")
     for split, ids in splits.items():
-        path, arr = os.path.join(d, f"{split}.bin"), np.asarray(ids, dtype=np.uint16)  # every vocabulary fits
+        arr = np.asarray(ids, dtype=np.uint16)  # every vocabulary here fits in 16 bits
+        path = os.path.join(d, f"{split}.bin")
         atomic_write(path, arr.tofile)
         meta[f"{split}_tokens"] = len(arr)
-    atomic_write(meta_path, lambda f: f.write(json.dumps(meta).encode()))  # last: it marks a complete preparation
-    print(f"prepared {name}: " + ", ".join(f"{k} {v:,}" for k, v in meta.items()
-                                          if k in ("characters", "vocab_size") or k.endswith("_tokens")))
+    # meta.json last: it marks a complete preparation
+    atomic_write(meta_path, lambda f: f.write(json.dumps(meta).encode()))
+    shown = {k: v for k, v in meta.items() if k in ("characters", "vocab_size") or "_tokens" in k}
+    print(f"prepared {name}: " + ", ".join(f"{k} {v:,}" for k, v in shown.items()))
     return meta
 
 
@@ -248,8 +251,9 @@ def bpe():
     try:
         return tiktoken.get_encoding("r50k_base")  # the GPT-2 vocabulary (same ids as "gpt2")
     except (OSError, ValueError) as e:  # tiktoken downloads it once, into TIKTOKEN_CACHE_DIR
-        raise NanorouteError(f"the GPT-2 BPE vocabulary could not be loaded ({type(e).__name__}): connect once, or "
-                             "set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's r50k_base file")
+        raise NanorouteError(f"the GPT-2 BPE vocabulary could not be loaded ({type(e).__name__}): "
+                             "connect once, or set TIKTOKEN_CACHE_DIR to a folder that holds "
+                             "tiktoken's r50k_base file")
 
 
 def load_meta(name, data_dir=DATA_DIR):
@@ -637,12 +641,15 @@ def check_device_name(name):
 
 
 def cli(main):
-    """A file's command line: main(argv); a NanorouteError is one `error:` line and exit 2."""
+    """A file's command line: main(argv); a NanorouteError is one `error:` line and exit 2; a reader
+    of stdout that stops early (head) ends it quietly."""
     try:
         main(sys.argv[1:])
     except NanorouteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:  # Python's advice: stdout to devnull, or its last flush fails too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def pick_device(name="auto"):
@@ -765,128 +772,3 @@ def estimate_loss(model, data, meta, cfg, device, split="val", sparse=False):
     if meta.get("unit") in ("char", "byte"):
         out["bpc"] = out["loss"] / math.log(2)
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# 5. GPT-2 weights: a Hugging Face GPT-2 (config.json + model.safetensors) as our state dict
-
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # 124M, 350M, 774M, 1.56B parameters
-HF_URL = "https://huggingface.co"  # the environment variable NANOROUTE_HF_URL overrides it
-HF_FILES = ("config.json", "model.safetensors")
-# HF's GPT-2 stores these as Conv1D weights, (in, out): the transpose of nn.Linear's (out, in)
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-GPT2_LAYER = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
-              "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
-              "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")
-SAFETENSORS_DTYPES = {"F64": ("<f8", torch.float64), "F32": ("<f4", torch.float32),
-                      "F16": ("<f2", torch.float16), "BF16": ("<u2", torch.bfloat16)}  # bf16 bits
-
-
-def is_hf_gpt2(init_from):
-    """--init_from names a Hub GPT-2 or a Hugging Face checkpoint's folder, not a run's ckpt.pt."""
-    return init_from in GPT2_NAMES or os.path.isdir(init_from)
-
-
-def gpt2_folder(init_from, data_dir=DATA_DIR, files=HF_FILES):
-    """The folder of a GPT-2 checkpoint: a local folder as it is, or for a Hub name data/hf/<name>/,
-    where each of `files` is downloaded once (atomically: a file there is complete)."""
-    if init_from not in GPT2_NAMES:
-        missing = [f for f in files if not os.path.isfile(os.path.join(init_from, f))]
-        if missing:
-            raise NanorouteError(f"--init_from {init_from}: no {' or '.join(missing)} there "
-                                 f"(a Hugging Face GPT-2 checkpoint is {' + '.join(HF_FILES)})")
-        return init_from
-    folder = os.path.join(data_dir, "hf", init_from)
-    base = (os.environ.get("NANOROUTE_HF_URL") or HF_URL).rstrip("/") + f"/{init_from}/resolve/main"
-    for f in files:
-        dest = os.path.join(folder, f)
-        if os.path.exists(dest):
-            continue
-        os.makedirs(folder, exist_ok=True)
-        download(f"{base}/{f}", dest,  # a user needs both files, in one folder
-                 hint=f"download {' and '.join(HF_FILES)} from {base}/ into {folder}/")
-    return folder
-
-
-def gpt2_config(folder):
-    """A Hugging Face GPT-2's config.json -> our architecture fields. A variant our blocks do not
-    compute (another activation, norm ε, FFN width, attention scale, an untied head) is refused."""
-    path = os.path.join(folder, "config.json")
-    gelus = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF's names
-    try:
-        with open(path) as f:
-            c = json.load(f)
-        arch = dict(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
-                    n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
-                    gelu=gelus.get(c.get("activation_function", "gelu_new"), "?"))
-        unlike = [(c.get("model_type") != "gpt2", f"model_type {c.get('model_type')!r}"),
-                  (arch["gelu"] == "?", f"activation_function {c.get('activation_function')!r}"),
-                  (c.get("n_inner") not in (None, 4 * arch["n_embd"]),
-                   f"n_inner {c.get('n_inner')}"),
-                  (c.get("layer_norm_epsilon", 1e-5) != 1e-5,
-                   f"layer_norm_epsilon {c.get('layer_norm_epsilon')}"),
-                  (not c.get("scale_attn_weights", True)
-                   or c.get("scale_attn_by_inverse_layer_idx"),
-                   "another attention scale"),
-                  (not c.get("tie_word_embeddings", True), "an untied head"),
-                  (c.get("add_cross_attention"), "cross-attention")]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise NanorouteError(f"{path} is not a GPT-2 config ({type(e).__name__}: {e})")
-    for differs, what in unlike:
-        if differs:
-            raise NanorouteError(f"{path}: {what} is not GPT-2's (what nanoroute's blocks compute)")
-    return arch
-
-
-def read_safetensors(path):
-    """A .safetensors file -> {name: tensor}. The format: 8 bytes (a little-endian u64) giving the
-    header's length, a JSON header {name: {dtype, shape, data_offsets: [begin, end)}}, raw data."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= size - 8:
-                raise ValueError(f"header length {n} in a file of {size} bytes")
-            header = json.loads(f.read(n))
-        out = {}
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            np_dtype, dtype = SAFETENSORS_DTYPES[t["dtype"]]
-            (a, b), count = t["data_offsets"], math.prod(t["shape"])
-            if b - a != count * np.dtype(np_dtype).itemsize or not 0 <= a <= b <= size - 8 - n:
-                raise ValueError(f"{name}: data_offsets {[a, b]} do not hold shape {t['shape']}")
-            arr = np.fromfile(path, dtype=np_dtype, count=count, offset=8 + n + a)
-            out[name] = torch.from_numpy(arr).view(dtype).reshape(t["shape"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise NanorouteError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e});"
-                             " delete it and download it again")
-    return out
-
-
-def gpt2_state_dict(folder, n_layer, block_size):
-    """A HF GPT-2's model.safetensors -> common.Model's state dict: a `transformer.` prefix
-    and the causal-mask buffers (attn.bias, attn.masked_bias) dropped, h.<i> -> blocks.<i>, Conv1D
-    weights transposed, positions cropped to block_size, the head tied. Anything else is refused."""
-    path, sd = os.path.join(folder, "model.safetensors"), {}
-    for name, t in read_safetensors(path).items():
-        name = name.removeprefix("transformer.")
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue
-        if name.startswith("h."):
-            name = "blocks." + name[2:]
-        sd[name] = t.t() if name.endswith(CONV1D) else t
-    head = sd.pop("lm_head.weight", None)
-    want = {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"}
-    want |= {f"blocks.{i}.{k}" for i in range(n_layer) for k in GPT2_LAYER}
-    if set(sd) != want:
-        odd = sorted(set(sd) - want)[:3] or [f"no {k}" for k in sorted(want - set(sd))[:3]]
-        raise NanorouteError(f"{path} does not hold a {n_layer}-layer GPT-2: {', '.join(odd)}")
-    if head is not None and not torch.equal(head, sd["wte.weight"]):
-        raise NanorouteError(f"{path} has an lm_head unlike wte: nanoroute's head is tied")
-    if block_size > sd["wpe.weight"].size(0):
-        raise NanorouteError(f"block_size={block_size} is longer than the checkpoint's "
-                             f"{sd['wpe.weight'].size(0)} positions")
-    sd["wpe.weight"] = sd["wpe.weight"][:block_size]  # a shorter context: its first positions
-    sd["lm_head.weight"] = sd["wte.weight"]
-    return sd

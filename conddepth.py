@@ -68,12 +68,12 @@ class Config(common.Config):
     d_a: int = 16  # G3 action-embedding width
     d_s: int = 32  # G3 summary width (paper 64)
     pred_hidden: int = 32  # hidden width of P and of D (paper: 64 each)
-    lam_jepa: float = -1.0  # eq. (19); -1: the recipe's (standard 1, 1, 0.2)
-    lam_util: float = -1.0
-    lam_rank: float = -1.0
-    lam_b: float = 1.0
-    lam_a: float = 0.5
-    p_min: float = 0.05
+    lam_jepa: float = -1.0  # λ_JEPA of eq. (19); -1: the recipe's (STANDARD: 1)
+    lam_util: float = -1.0  # λ_util of eq. (19); -1: the recipe's (1)
+    lam_rank: float = -1.0  # λ_rank of eq. (19); -1: the recipe's (0.2)
+    lam_b: float = 1.0  # λ_b of eq. (19)
+    lam_a: float = 0.5  # λ_a of eq. (19)
+    p_min: float = 0.05  # p_min of eq. (21)
     shuffle_targets: bool = False  # A2: JEPA targets deranged
     oracle_window: int = 8  # W of eq. (16)
     oracle_gamma: float = 0.5  # γ of eq. (16)
@@ -275,16 +275,6 @@ class Model(common.LM):
                 shuffle = cfg.shuffle_targets and self.training  # A2
                 r["jepa"].append(jepa_terms(self.gates[j].target, *q, h_full, h_cheap, shuffle))
         return x, r
-
-    @torch.no_grad()
-    def calibrate_thresholds(self, batches):
-        """θ as training sets it, from a few batches of idx, for a fresh model."""
-        was_training = self.training
-        self.threshold_batches.zero_()
-        self.train()
-        for x in batches:
-            self(x)
-        self.train(was_training)
 
     @torch.no_grad()
     def routing_map(self, idx):
@@ -500,12 +490,13 @@ def compute_vs_full(cfg):
 
 
 def main(argv):
-    """`python conddepth.py`: §4's compute proxies of the recipes at the paper's size."""
-    if argv not in ([], ["-h"], ["--help"]):
+    """python conddepth.py: §4's compute proxies of the recipes at paper size (train: train.py)"""
+    if argv in (["-h"], ["--help"]):
+        return print("usage: " + main.__doc__)
+    if argv:
         raise NanorouteError(f"conddepth.py takes no arguments, got {' '.join(argv)}")
-    print("usage: python conddepth.py [-h]: §4's compute proxies (train: train.py)" if argv
-          else "recipe   FFN units: inference, training")
-    for recipe in [] if argv else RECIPES:
+    print("recipe   FFN units: inference, training")
+    for recipe in RECIPES:
         cfg = Config(**PRESETS["paper"], recipe=recipe)
         print(f"{recipe:8} {infer_vs_full(cfg):.3f}, {compute_vs_full(cfg):.3f}")
 

@@ -6,6 +6,7 @@ Train any nanoroute model on any dataset.
   python train.py --model gpt --dataset shakespeare --resume          # continue out/gpt-shakespeare
   torchrun --standalone --nproc_per_node=2 train.py --model gpt  # DDP (gloo on CPU, nccl on CUDA)
   python train.py --model tsa --preset classroom                  # ~3 minutes on a laptop CPU
+  python train.py --model tsa --dataset shakespeare_bpe --init_from gpt2  # route a pretrained GPT-2
   python train.py --sample out/tsa-shakespeare --prompt "ROMEO:" --num_tokens 300 \
       --temperature 0.8 --top_k 200
 
@@ -493,7 +494,7 @@ def start_from(cfg, module, meta, master=True, ddp=False):
     another run's ckpt.pt, or a Hugging Face GPT-2: a Hub name (downloaded once into data/hf/NAME/)
     or a folder holding config.json + model.safetensors. A flag that contradicts the checkpoint is
     refused: a value other than the model's default (given, or set by a preset) was asked for."""
-    src, gpt2 = cfg.init_from, common.is_hf_gpt2(cfg.init_from)
+    src, gpt2 = cfg.init_from, is_hf_gpt2(cfg.init_from)
     if gpt2 and os.path.isfile(os.path.join(src, "ckpt.pt")):
         raise NanorouteError(f"--init_from {src} is a run: pass {os.path.join(src, 'ckpt.pt')}")
     if gpt2 and cfg.model == "hybrid":
@@ -509,13 +510,13 @@ def start_from(cfg, module, meta, master=True, ddp=False):
                              f"{meta.get('unit', 'token')}s: use --dataset shakespeare_bpe")
 
     def fetch(files):  # rank 0 downloads, the others wait for its files
-        folder = common.gpt2_folder(src, cfg.data_dir, files if master else ())
+        folder = gpt2_folder(src, cfg.data_dir, files if master else ())
         if ddp:
             torch.distributed.barrier()
         return folder
 
     if gpt2:
-        arch, ckpt = common.gpt2_config(fetch(common.HF_FILES[:1])), None  # config.json: small
+        arch, ckpt = gpt2_config(fetch(HF_FILES[:1])), None  # config.json: small
     else:
         ckpt = common.load_checkpoint(src)
         arch = {k: ckpt["config"][k] for k in common.ARCH_FIELDS if k in ckpt["config"]}
@@ -539,7 +540,7 @@ def start_from(cfg, module, meta, master=True, ddp=False):
     cfg = dataclasses.replace(cfg, **arch)
     if not gpt2:
         return cfg, ckpt["model"]
-    return cfg, common.gpt2_state_dict(fetch(common.HF_FILES), cfg.n_layer, cfg.block_size)
+    return cfg, gpt2_state_dict(fetch(HF_FILES), cfg.n_layer, cfg.block_size)
 
 
 def _duration(sec):
@@ -554,6 +555,131 @@ def _gather_rng(state, ddp):
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, state)
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# --init_from gpt2: a Hugging Face GPT-2 (config.json + model.safetensors) as our state dict
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # 124M, 350M, 774M, 1.56B parameters
+HF_URL = "https://huggingface.co"  # the environment variable NANOROUTE_HF_URL overrides it
+HF_FILES = ("config.json", "model.safetensors")
+# HF's GPT-2 stores these as Conv1D weights, (in, out): the transpose of nn.Linear's (out, in)
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+GPT2_LAYER = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+              "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+              "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")
+SAFETENSORS_DTYPES = {"F64": ("<f8", torch.float64), "F32": ("<f4", torch.float32),
+                      "F16": ("<f2", torch.float16), "BF16": ("<u2", torch.bfloat16)}  # bf16 bits
+
+
+def is_hf_gpt2(init_from):
+    """--init_from names a Hub GPT-2 or a Hugging Face checkpoint's folder, not a run's ckpt.pt."""
+    return init_from in GPT2_NAMES or os.path.isdir(init_from)
+
+
+def gpt2_folder(init_from, data_dir=common.DATA_DIR, files=HF_FILES):
+    """The folder of a GPT-2 checkpoint: a local folder as it is, or for a Hub name data/hf/<name>/,
+    where each of `files` is downloaded once (atomically: a file there is complete)."""
+    if init_from not in GPT2_NAMES:
+        missing = [f for f in files if not os.path.isfile(os.path.join(init_from, f))]
+        if missing:
+            raise NanorouteError(f"--init_from {init_from}: no {' or '.join(missing)} there "
+                                 f"(a Hugging Face GPT-2 checkpoint is {' + '.join(HF_FILES)})")
+        return init_from
+    folder = os.path.join(data_dir, "hf", init_from)
+    base = (os.environ.get("NANOROUTE_HF_URL") or HF_URL).rstrip("/") + f"/{init_from}/resolve/main"
+    for f in files:
+        dest = os.path.join(folder, f)
+        if os.path.exists(dest):
+            continue
+        os.makedirs(folder, exist_ok=True)
+        common.download(f"{base}/{f}", dest,  # a user needs both files, in one folder
+                 hint=f"download {' and '.join(HF_FILES)} from {base}/ into {folder}/")
+    return folder
+
+
+def gpt2_config(folder):
+    """A Hugging Face GPT-2's config.json -> our architecture fields. A variant our blocks do not
+    compute (another activation, norm ε, FFN width, attention scale, an untied head) is refused."""
+    path = os.path.join(folder, "config.json")
+    gelus = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF's names
+    try:
+        with open(path) as f:
+            c = json.load(f)
+        arch = dict(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
+                    n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
+                    gelu=gelus.get(c.get("activation_function", "gelu_new"), "?"))
+        unlike = [(c.get("model_type") != "gpt2", f"model_type {c.get('model_type')!r}"),
+                  (arch["gelu"] == "?", f"activation_function {c.get('activation_function')!r}"),
+                  (c.get("n_inner") not in (None, 4 * arch["n_embd"]),
+                   f"n_inner {c.get('n_inner')}"),
+                  (c.get("layer_norm_epsilon", 1e-5) != 1e-5,
+                   f"layer_norm_epsilon {c.get('layer_norm_epsilon')}"),
+                  (not c.get("scale_attn_weights", True)
+                   or c.get("scale_attn_by_inverse_layer_idx"),
+                   "another attention scale"),
+                  (not c.get("tie_word_embeddings", True), "an untied head"),
+                  (c.get("add_cross_attention"), "cross-attention")]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise NanorouteError(f"{path} is not a GPT-2 config ({type(e).__name__}: {e})")
+    for differs, what in unlike:
+        if differs:
+            raise NanorouteError(f"{path}: {what} is not GPT-2's (what nanoroute's blocks compute)")
+    return arch
+
+
+def read_safetensors(path):
+    """A .safetensors file -> {name: tensor}. The format: 8 bytes (a little-endian u64) giving the
+    header's length, a JSON header {name: {dtype, shape, data_offsets: [begin, end)}}, raw data."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"header length {n} in a file of {size} bytes")
+            header = json.loads(f.read(n))
+        out = {}
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            np_dtype, dtype = SAFETENSORS_DTYPES[t["dtype"]]
+            (a, b), count = t["data_offsets"], math.prod(t["shape"])
+            if b - a != count * np.dtype(np_dtype).itemsize or not 0 <= a <= b <= size - 8 - n:
+                raise ValueError(f"{name}: data_offsets {[a, b]} do not hold shape {t['shape']}")
+            arr = np.fromfile(path, dtype=np_dtype, count=count, offset=8 + n + a)
+            out[name] = torch.from_numpy(arr).view(dtype).reshape(t["shape"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise NanorouteError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e});"
+                             " delete it and download it again")
+    return out
+
+
+def gpt2_state_dict(folder, n_layer, block_size):
+    """A HF GPT-2's model.safetensors -> common.Model's state dict: a `transformer.` prefix
+    and the causal-mask buffers (attn.bias, attn.masked_bias) dropped, h.<i> -> blocks.<i>, Conv1D
+    weights transposed, positions cropped to block_size, the head tied. Anything else is refused."""
+    path, sd = os.path.join(folder, "model.safetensors"), {}
+    for name, t in read_safetensors(path).items():
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        if name.startswith("h."):
+            name = "blocks." + name[2:]
+        sd[name] = t.t() if name.endswith(CONV1D) else t
+    head = sd.pop("lm_head.weight", None)
+    want = {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"}
+    want |= {f"blocks.{i}.{k}" for i in range(n_layer) for k in GPT2_LAYER}
+    if set(sd) != want:
+        odd = sorted(set(sd) - want)[:3] or [f"no {k}" for k in sorted(want - set(sd))[:3]]
+        raise NanorouteError(f"{path} does not hold a {n_layer}-layer GPT-2: {', '.join(odd)}")
+    if head is not None and not torch.equal(head, sd["wte.weight"]):
+        raise NanorouteError(f"{path} has an lm_head unlike wte: nanoroute's head is tied")
+    if block_size > sd["wpe.weight"].size(0):
+        raise NanorouteError(f"block_size={block_size} is longer than the checkpoint's "
+                             f"{sd['wpe.weight'].size(0)} positions")
+    sd["wpe.weight"] = sd["wpe.weight"][:block_size]  # a shorter context: its first positions
+    sd["lm_head.weight"] = sd["wte.weight"]
+    return sd
 
 
 # --------------------------------------------------------------------------------------------------

@@ -193,6 +193,12 @@ def test_help(capsys):
     every = {f.name for f in __import__("dataclasses").fields(common.Config)} - {"model", "dataset"}
     lines = {ln.split("=")[0].strip(): ln for ln in out.splitlines() if ln.startswith("  --")}
     assert every <= {k[2:] for k in lines} and all(len(lines["--" + k].split()) > 1 for k in every)  # each explained
+    for name, file in train.MODELS.items():  # every field of every model's Config: one line of help
+        train.main(["--model", name, "--help"])
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  --")]
+        fields = {f.name for f in __import__("dataclasses").fields(train.model_module(name)[1].Config)}
+        assert {ln.split("=")[0].strip()[2:] for ln in lines} >= fields - {"model", "dataset"}, name
+        assert all(len(ln.split()) > 1 for ln in lines), (name, [ln for ln in lines if len(ln.split()) < 2])
     train.main(["--model", "tsa", "-h"])
     out = capsys.readouterr().out
     assert "--model tsa (tsa.py's Config):" in out and "--lam=0.001" in out and "λ of eq. (5)" in out
@@ -321,3 +327,13 @@ def test_experiments_help(script, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         runpy.run_path(os.path.join(EXP, script), run_name="__main__")
     assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: ")
+
+
+@pytest.mark.parametrize("script", ["tsa.py --help", "dtrnet.py", "conddepth.py", "hybrid_attn.py"])
+def test_paper_file_output_into_a_closed_pipe_is_quiet(script):
+    """`python conddepth.py | head -1`: a reader that stops early ends the command quietly, without
+    a BrokenPipeError traceback (here the reader, `true`, reads nothing and exits at once)."""
+    p = subprocess.run(f"{shlex.quote(sys.executable)} {script} | true; exit ${{PIPESTATUS[0]}}",
+                       shell=True, executable="/bin/bash", cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stderr == "", p.stderr

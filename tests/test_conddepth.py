@@ -44,9 +44,12 @@ def data(B=3, T=32, seed=1, device="cpu"):
 
 def calibrated(m, n=3, B=4):
     """θ from a few batches of training's top-k routing (what a training run leaves in the checkpoint)."""
-    T, dev = m.cfg.block_size, m.wte.weight.device
-    m.calibrate_thresholds([data(B=B, T=T, seed=100 + s, device=dev)[0] for s in range(n)])
-    return m
+    T, dev, was_training = m.cfg.block_size, m.wte.weight.device, m.training
+    m.threshold_batches.zero_()  # θ restarts: the first batch's cut, then the running average
+    with torch.no_grad():
+        for s in range(n):
+            m.train()(data(B=B, T=T, seed=100 + s, device=dev)[0])
+    return m.train(was_training)
 
 
 def prefix(m, x):

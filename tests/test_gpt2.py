@@ -151,32 +151,32 @@ def test_logits_and_greedy_tokens_equal_transformers(hf, hub, tmp_path, monkeypa
 def test_download_once_into_the_cache(hub, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOROUTE_HF_URL", hub[0] + "/")
     hub[1].clear()
-    folder = common.gpt2_folder("gpt2", str(tmp_path))
+    folder = train.gpt2_folder("gpt2", str(tmp_path))
     assert folder == os.path.join(str(tmp_path), "hf", "gpt2")
     assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]  # no .part left
     cdn = ["/cdn/model.safetensors"]  # the weights' redirect, followed
-    assert hub[1] == [f"/gpt2/resolve/main/{f}" for f in common.HF_FILES] + cdn
-    common.gpt2_folder("gpt2", str(tmp_path))
+    assert hub[1] == [f"/gpt2/resolve/main/{f}" for f in train.HF_FILES] + cdn
+    train.gpt2_folder("gpt2", str(tmp_path))
     assert len(hub[1]) == 3  # cached: not asked again
 
 
 def test_position_embeddings_cropped_and_checkpoints_checked(hf, tmp_path):
     folder, ref = hf
-    sd = common.gpt2_state_dict(folder, N_LAYER, 32)
+    sd = train.gpt2_state_dict(folder, N_LAYER, 32)
     assert torch.equal(sd["wpe.weight"], ref.transformer.wpe.weight[:32])
     assert sd["lm_head.weight"] is sd["wte.weight"]
     with pytest.raises(common.NanorouteError, match="not hold a 4-layer GPT-2: no blocks.3"):
-        common.gpt2_state_dict(folder, N_LAYER + 1, 32)
+        train.gpt2_state_dict(folder, N_LAYER + 1, 32)
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     with open(bad / "model.safetensors", "r+b") as f:
         f.truncate(os.path.getsize(bad / "model.safetensors") - 4)
     with pytest.raises(common.NanorouteError, match="not a readable safetensors file"):
-        common.gpt2_state_dict(str(bad), N_LAYER, 32)
+        train.gpt2_state_dict(str(bad), N_LAYER, 32)
     cfg = json.load(open(bad / "config.json"))
     json.dump(dict(cfg, activation_function="relu"), open(bad / "config.json", "w"))
     with pytest.raises(common.NanorouteError, match="activation_function 'relu' is not GPT-2's"):
-        common.gpt2_config(str(bad))
+        train.gpt2_config(str(bad))
 
 
 def test_the_hubs_layout_and_every_float_dtype(hf, tmp_path):
@@ -185,7 +185,7 @@ def test_the_hubs_layout_and_every_float_dtype(hf, tmp_path):
     back what the reference writer (the safetensors package) wrote, in each float dtype."""
     save_file = pytest.importorskip("safetensors.torch").save_file
     folder, _ = hf
-    tensors = common.read_safetensors(os.path.join(folder, "model.safetensors"))
+    tensors = train.read_safetensors(os.path.join(folder, "model.safetensors"))
     old = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     for i in range(N_LAYER):
         old[f"h.{i}.attn.bias"] = torch.ones(1, 1, N_POS, N_POS).tril()
@@ -193,14 +193,14 @@ def test_the_hubs_layout_and_every_float_dtype(hf, tmp_path):
     hub_like = tmp_path / "hub-like"
     shutil.copytree(folder, hub_like)
     save_file(old, str(hub_like / "model.safetensors"))
-    want, got = common.gpt2_state_dict(folder, N_LAYER, N_POS), common.gpt2_state_dict(
+    want, got = train.gpt2_state_dict(folder, N_LAYER, N_POS), train.gpt2_state_dict(
         str(hub_like), N_LAYER, N_POS)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     g = torch.Generator().manual_seed(0)
     mixed = {f"t_{dt}": torch.randn(3, 5, generator=g).to(dt)
              for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
     save_file(mixed, str(tmp_path / "mixed.safetensors"))
-    back = common.read_safetensors(str(tmp_path / "mixed.safetensors"))
+    back = train.read_safetensors(str(tmp_path / "mixed.safetensors"))
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in mixed.items())
 
 
