@@ -254,8 +254,12 @@ def test_rerun_never_replaces_a_run(runs, tmp_path):
 
 def test_ctrl_c_stops_with_the_resume_command(runs, tmp_path):
     argv = flags(runs / "data", tmp_path / "run", "--max_iters=100000", "--eval_interval=5")
+    # Ctrl-C as a terminal delivers it: a shell's background job (nohup cmd &) starts with SIGINT
+    # ignored, which Python (and so train.py) would inherit and keep
     p = subprocess.Popen([sys.executable, "train.py", *map(str, argv)], cwd=ROOT, text=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for _ in range(1200):  # until the first checkpoint is there
             if (tmp_path / "run" / "ckpt.pt").exists():
