@@ -124,29 +124,51 @@ SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/d
                    "tinyshakespeare/input.txt")
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
-DATASETS = ("shakespeare", "shakespeare_bpe", "enwik8", "copy", "sort")
+DATASETS = ("shakespeare", "shakespeare_bpe", "enwik8", "copy", "sort", "fineweb_edu")
 TASK_LEN, TASK_VOCAB = 10, 32               # TSA §3.1: length-10 sequences over 32 symbols
 BOS, SEP, EOS = TASK_VOCAB, TASK_VOCAB + 1, TASK_VOCAB + 2
 
 
-def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20, hint=None):
+def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20, hint=None,
+             resume=False):
     """Stream url to dest.part, check it, then rename: dest exists only complete and intact.
-    hint: what the error tells a user to do instead (default: place the file at dest)."""
+    hint: what the error tells a user to do instead (default: place the file at dest).
+    resume: a dest.part an interrupted run left is continued with an HTTP Range request, and kept
+    when this run fails too (for files too large to fetch again from the start)."""
     tmp, err = dest + ".part", None
     for attempt in range(retries):
         try:
-            with requests.get(url, stream=True, timeout=timeout) as r:
+            have = os.path.getsize(tmp) if resume and os.path.exists(tmp) else 0
+            headers = {"Range": f"bytes={have}-"} if have else {}
+            with requests.get(url, stream=True, timeout=timeout, headers=headers) as r:
+                if have and r.status_code == 416:  # the part is not a prefix of this file
+                    os.remove(tmp)
+                    raise IOError("the partial download does not fit the file: starting again")
                 r.raise_for_status()
+                if have and r.status_code != 206:  # the server sends the whole file instead
+                    have = 0
+                start = re.match(r"bytes (\d+)-", r.headers.get("content-range", ""))
+                if have and (start is None or int(start.group(1)) != have):
+                    os.remove(tmp)
+                    raise IOError(f"asked for bytes {have}- and got "
+                                  f"{r.headers.get('content-range')!r}: starting again")
                 total = int(r.headers.get("content-length", 0))
-                done, h, t0 = 0, hashlib.sha256(), time.time()
-                with open(tmp, "wb") as f:
+                total = total and have + total
+                done, h, t0, shown = have, hashlib.sha256(), time.time(), False
+                if have and sha256:
+                    with open(tmp, "rb") as f:
+                        for block in iter(lambda: f.read(chunk), b""):
+                            h.update(block)
+                with open(tmp, "ab" if have else "wb") as f:
                     for block in r.iter_content(chunk):
                         f.write(block)
                         h.update(block)
                         done += len(block)
                         if total > 50 * chunk and time.time() - t0 > 2:  # a large file: progress
                             print(f"\r  {done / 1e6:.0f}/{total / 1e6:.0f} MB", end="", flush=True)
-                            t0 = time.time()
+                            t0, shown = time.time(), True
+                if shown:
+                    print()
                 if total and done != total:
                     raise IOError(f"download interrupted: got {done} of {total} bytes")
             if sha256 and h.hexdigest() != sha256:
@@ -158,7 +180,7 @@ def download(url, dest, sha256=None, retries=3, timeout=30, chunk=1 << 20, hint=
         except (requests.RequestException, IOError) as e:
             err = e
             time.sleep(min(2 ** attempt, 8) * (attempt + 1 < retries))
-    if os.path.exists(tmp):
+    if os.path.exists(tmp) and not resume:
         os.remove(tmp)
     hint = hint or f"download it yourself and place it at {dest}"
     raise NanorouteError(f"could not download {url} ({type(err).__name__}: {err}); {hint}")
@@ -172,15 +194,18 @@ def _task_records(kind, n, rng):
     return np.concatenate([col(BOS), src, col(SEP), tgt, col(EOS)], axis=1).reshape(-1)
 
 
-def prepare(name, data_dir=DATA_DIR, url=None):
+def prepare(name, data_dir=DATA_DIR, url=None, shards=1):
     """Write data/<name>/{train,val}.bin + meta.json once. An input file already in place is never
-    downloaded again, so dropping the file there is the offline path."""
+    downloaded again, so dropping the file there is the offline path. fineweb_edu: its token
+    shards (shards: how many training shards), see prepare_fineweb."""
     if name not in DATASETS:
         raise NanorouteError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     d = os.path.join(data_dir, name)
     meta_path = os.path.join(d, "meta.json")
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
         raise NanorouteError(f"--data_dir {data_dir} is a file, not a directory")
+    if name == "fineweb_edu":
+        return prepare_fineweb(data_dir, shards, url)
     if os.path.exists(meta_path):
         meta = load_meta(name, data_dir)
         for split in (k[:-len("_tokens")] for k in meta if k.endswith("_tokens")):
@@ -270,6 +295,8 @@ def load_meta(name, data_dir=DATA_DIR):
 def load_split(name, split, data_dir=DATA_DIR):
     """A split's tokens, memory-mapped, once its size is checked against meta.json (a truncated
     copy, a full disk or an odd byte count would train on other data than the one prepared)."""
+    if name == "fineweb_edu":
+        return load_shards(split, data_dir)
     path = os.path.join(data_dir, name, f"{split}.bin")
     meta_path = os.path.join(data_dir, name, "meta.json")
     want = load_meta(name, data_dir).get(f"{split}_tokens")
@@ -311,6 +338,8 @@ def get_batch(data, meta, batch_size, block_size, rng, device="cpu"):
         rec = torch.from_numpy(rec)  # (B, R)
         x, y = rec[:, :-1].clone(), rec[:, 1:].clone()
         y[:, :TASK_LEN + 1] = -1  # positions 0..10 predict src and [SEP]
+    elif isinstance(data, Shards):
+        x, y = data.batch(batch_size, block_size, rng)
     else:
         if len(data) <= block_size:
             raise NanorouteError(f"block_size={block_size} is longer than the split "
@@ -329,11 +358,120 @@ def get_batch(data, meta, batch_size, block_size, rng, device="cpu"):
 def decode(meta, ids):
     if meta["dataset"] == "shakespeare":
         return "".join(meta["itos"][i] for i in ids)
-    if meta["dataset"] == "shakespeare_bpe":
+    if meta["dataset"] in ("shakespeare_bpe", "fineweb_edu"):
         return bpe().decode(ids)
     if meta["dataset"] == "enwik8":
         return bytes(ids).decode("utf-8", errors="replace")
     return " ".join({BOS: "[BOS]", SEP: "[SEP]", EOS: "[EOS]"}.get(i, str(i)) for i in ids)
+
+
+# FineWeb-Edu (sample-10BT) in GPT-2 tokens: the pre-tokenised shards modded-nanogpt's users fetch,
+# in llm.c's format: a header of 256 int32 (magic, version, token count), then uint16 tokens.
+
+HF_URL = "https://huggingface.co"  # the environment variable NANOROUTE_HF_URL overrides it
+FINEWEB_REPO = "kjj0/finewebedu10B-gpt2"
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+SHARD_HEADER_BYTES = 4 * SHARD_HEADER_INTS
+
+
+def hf_url():
+    """The Hugging Face Hub's base URL: NANOROUTE_HF_URL (a mirror, a test server) or the Hub."""
+    return (os.environ.get("NANOROUTE_HF_URL") or HF_URL).rstrip("/")
+
+
+def fineweb_files(shards=1):
+    """{split: shard file names}: the one validation shard and the first `shards` training ones."""
+    if type(shards) is not int or shards < 1:
+        raise NanorouteError(f"shards must be an integer >= 1, got {shards!r}")
+    return {"train": [f"finewebedu_train_{i:06d}.bin" for i in range(1, shards + 1)],
+            "val": ["finewebedu_val_000000.bin"]}
+
+
+def read_shard(path):
+    """An llm.c token file -> its tokens, a read-only uint16 memmap, once the header and the file's
+    size agree (a wrong magic, a short or long body: one error naming the file)."""
+    redo = f"delete it and run again to download it, or put a good copy at {path}"
+    try:
+        header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)  # (256,) int32
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise NanorouteError(f"{path} cannot be read ({e.strerror or e})")
+    if len(header) < SHARD_HEADER_INTS:
+        raise NanorouteError(f"{path} has {size:,} bytes, less than an llm.c token shard's "
+                             f"{SHARD_HEADER_BYTES:,}-byte header; {redo}")
+    if (header[0], header[1]) != (SHARD_MAGIC, SHARD_VERSION):
+        got = f"{header[0]}, {header[1]}"
+        raise NanorouteError(f"{path} is not an llm.c token shard (its header starts {got}, not "
+                             f"magic {SHARD_MAGIC}, version {SHARD_VERSION}); {redo}")
+    n = int(header[2])
+    if n < 0 or size != SHARD_HEADER_BYTES + 2 * n:
+        raise NanorouteError(f"{path} has {size:,} bytes, but its header says {n:,} tokens "
+                             f"({SHARD_HEADER_BYTES + 2 * n:,} bytes): it is damaged; {redo}")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_BYTES, shape=(n,))
+
+
+class Shards:
+    """Token files read as one split, without loading them: a window lies inside one shard (the
+    shards are separate documents' streams; a window across an end would join two of them)."""
+
+    def __init__(self, arrays):
+        self.arrays = list(arrays)
+        self.sizes = np.array([len(a) for a in self.arrays], dtype=np.int64)
+
+    def __len__(self):
+        return int(self.sizes.sum())
+
+    def batch(self, batch_size, block_size, rng):
+        """batch_size windows (x, y), y = x shifted by one: uniform over every window of
+        block_size + 1 tokens inside a shard, so a shard is drawn in proportion to its size."""
+        per_shard = np.maximum(self.sizes - block_size, 0)  # windows starting in each shard
+        if per_shard.sum() == 0:
+            raise NanorouteError(f"block_size={block_size} is longer than every shard "
+                                 f"(the longest has {self.sizes.max():,} tokens)")
+        ends = np.cumsum(per_shard)
+        k = rng.integers(0, ends[-1], size=batch_size)  # a window among all of them
+        shard = np.searchsorted(ends, k, side="right")  # the shard it starts in
+        start = k - (ends[shard] - per_shard[shard])
+        w = np.stack([self.arrays[s][i:i + block_size + 1] for s, i in zip(shard, start)])
+        w = torch.from_numpy(w.astype(np.int64))  # (B, T + 1)
+        return w[:, :-1], w[:, 1:]
+
+
+def prepare_fineweb(data_dir=DATA_DIR, shards=1, url=None):
+    """Download the validation shard and `shards` training shards into data/fineweb_edu/ (those
+    already there are used as they are; an interrupted download resumes), check each shard's
+    header, and write meta.json naming the shards this preparation uses."""
+    files = fineweb_files(shards)
+    d = os.path.join(data_dir, "fineweb_edu")
+    base = (url or f"{hf_url()}/datasets/{FINEWEB_REPO}/resolve/main").rstrip("/")
+    names = files["val"] + files["train"]
+    missing = [f for f in names if not os.path.isfile(os.path.join(d, f))]
+    if missing:
+        os.makedirs(d, exist_ok=True)
+        hint = (f"download {', '.join(missing)} from {base}/ into {d}/ (a .part file there is "
+                "continued)")
+    for f in missing:
+        print(f"downloading {f} ({missing.index(f) + 1}/{len(missing)}) from {base}/")
+        download(f"{base}/{f}", os.path.join(d, f), hint=hint, resume=True)
+    meta = {"dataset": "fineweb_edu", "vocab_size": 50257, "encoding": "r50k_base",
+            "unit": "token", "shards": files}
+    for split, names in files.items():
+        meta[f"{split}_tokens"] = sum(len(read_shard(os.path.join(d, f))) for f in names)
+    atomic_write(os.path.join(d, "meta.json"), lambda f: f.write(json.dumps(meta).encode()))
+    print(f"prepared fineweb_edu: {len(files['train'])} training shard(s), train_tokens "
+          f"{meta['train_tokens']:,}, val_tokens {meta['val_tokens']:,}, vocab_size 50,257")
+    return meta
+
+
+def load_shards(split, data_dir=DATA_DIR):
+    """A fineweb_edu split: the shards meta.json names, memory-mapped (one shard: its array)."""
+    meta = load_meta("fineweb_edu", data_dir)
+    names = meta.get("shards", {}).get(split)
+    if not names:
+        raise NanorouteError(f"{os.path.join(data_dir, 'fineweb_edu', 'meta.json')} names no "
+                             f"{split} shards; run train.py --dataset fineweb_edu to prepare it")
+    arrays = [read_shard(os.path.join(data_dir, "fineweb_edu", f)) for f in names]
+    return arrays[0] if len(arrays) == 1 else Shards(arrays)
 
 
 # --------------------------------------------------------------------------------------------------

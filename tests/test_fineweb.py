@@ -1,0 +1,255 @@
+"""fineweb_edu: llm.c token shards downloaded from a server on 127.0.0.1 (resumed after an
+interruption), checked, memory-mapped, and sampled in windows that never cross a shard's end."""
+import functools
+import http.server
+import json
+import os
+import re
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import common
+
+VAL, TRAIN1, TRAIN2 = ("finewebedu_val_000000.bin", "finewebedu_train_000001.bin",
+                       "finewebedu_train_000002.bin")
+HUB_PATH = "/datasets/kjj0/finewebedu10B-gpt2/resolve/main/"
+
+
+def shard_bytes(tokens, magic=common.SHARD_MAGIC, version=1, count=None):
+    """llm.c's format: 256 int32 (magic, version, token count, zeros), then the uint16 tokens."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, len(tokens) if count is None else count
+    return header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()
+
+
+def tokens(n, seed):
+    return np.random.default_rng(seed).integers(0, 50257, n).astype(np.uint16)
+
+
+class RangeServer:
+    """Serves self.files[name] under the Hub's path on 127.0.0.1, honouring `Range: bytes=a-`;
+    self.cut[name] = k: the next response for name stops after k bytes of its body (a dropped
+    connection); self.misplaced: a range is answered from byte 0 (a broken mirror).
+    self.ranges: the Range header of each request (None: none)."""
+
+    def __init__(self):
+        self.files, self.cut, self.ranges, self.misplaced = {}, {}, [], False
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                name = self.path[len(HUB_PATH):] if self.path.startswith(HUB_PATH) else None
+                outer.ranges.append(self.headers.get("Range"))
+                if name not in outer.files:
+                    self.send_error(404)
+                    return
+                body, start = outer.files[name], 0
+                m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
+                if m:
+                    start = 0 if outer.misplaced else int(m.group(1))
+                    if start >= len(body):
+                        self.send_error(416)
+                        return
+                    self.send_response(206)
+                    self.send_header("Content-Range",
+                                     f"bytes {start}-{len(body) - 1}/{len(body)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", str(len(body) - start))
+                self.end_headers()
+                self.wfile.write(body[start:start + outer.cut.pop(name, len(body))])
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """A Hub on 127.0.0.1 holding a val shard of 3,000 tokens and two training shards (4,000 and
+    2,500), reached the way users reach a mirror: NANOROUTE_HF_URL."""
+    monkeypatch.setattr(common.time, "sleep", lambda s: None)  # no back-off waits in tests
+    s = RangeServer()
+    s.toks = {VAL: tokens(3000, 0), TRAIN1: tokens(4000, 1), TRAIN2: tokens(2500, 2)}
+    s.files = {name: shard_bytes(t) for name, t in s.toks.items()}
+    monkeypatch.setenv("NANOROUTE_HF_URL", s.url + "/")
+    yield s
+    s.httpd.shutdown()
+
+
+def test_download_prepares_the_shards_once_and_reads_them(hub, tmp_path, capsys):
+    meta = common.prepare("fineweb_edu", str(tmp_path), shards=2)
+    assert (meta["train_tokens"], meta["val_tokens"], meta["vocab_size"]) == (6500, 3000, 50257)
+    assert meta["shards"] == {"train": [TRAIN1, TRAIN2], "val": [VAL]}
+    assert "train_tokens 6,500" in capsys.readouterr().out  # prepare says what it produced
+    assert common.load_meta("fineweb_edu", str(tmp_path)) == meta  # what other ranks read
+    val = common.load_split("fineweb_edu", "val", str(tmp_path))
+    assert isinstance(val, np.memmap) and np.array_equal(val, hub.toks[VAL])
+    train = common.load_split("fineweb_edu", "train", str(tmp_path))
+    assert [np.array_equal(a, hub.toks[n]) for a, n in zip(train.arrays, (TRAIN1, TRAIN2))] \
+        == [True, True] and len(train) == 6500
+    assert all(isinstance(a, np.memmap) for a in train.arrays)  # never the corpus in RAM
+    assert sorted(os.listdir(tmp_path / "fineweb_edu")) == sorted([VAL, TRAIN1, TRAIN2,
+                                                                  "meta.json"])
+    n = len(hub.ranges)
+    common.prepare("fineweb_edu", str(tmp_path), shards=2)
+    assert len(hub.ranges) == n  # downloaded once
+    common.prepare("fineweb_edu", str(tmp_path), shards=1)  # fewer shards: meta names those
+    assert len(common.load_split("fineweb_edu", "train", str(tmp_path))) == 4000
+
+
+def test_header_is_read_as_int32(tmp_path):
+    """Read as int64, magic and version fuse into one number and the count lands on a zero."""
+    path = str(tmp_path / VAL)
+    with open(path, "wb") as f:
+        f.write(shard_bytes(np.arange(7)))
+    assert np.array_equal(common.read_shard(path), np.arange(7))
+
+
+def test_an_interrupted_download_resumes_where_it_stopped(hub, tmp_path, monkeypatch):
+    # chunks of 1,000 bytes (1 MB in use): what a dropped connection keeps is whole chunks
+    monkeypatch.setattr(common, "download", functools.partial(common.download, chunk=1000))
+    hub.cut[TRAIN1] = 3000  # the connection drops after 3,000 of 9,024 bytes
+    common.prepare("fineweb_edu", str(tmp_path), shards=1)  # retries continue the .part file
+    assert hub.ranges == [None, None, "bytes=3000-"]  # val whole; train1 cut, then continued
+    train = common.load_split("fineweb_edu", "train", str(tmp_path))
+    assert np.array_equal(train, hub.toks[TRAIN1])
+    assert not any(f.endswith(".part") for f in os.listdir(tmp_path / "fineweb_edu"))
+
+
+def test_a_part_file_left_by_a_killed_run_is_continued(hub, tmp_path):
+    d = tmp_path / "fineweb_edu"
+    os.makedirs(d)
+    (d / VAL).write_bytes(hub.files[VAL])
+    (d / (TRAIN1 + ".part")).write_bytes(hub.files[TRAIN1][:5000])
+    common.prepare("fineweb_edu", str(tmp_path), shards=1)
+    assert hub.ranges == ["bytes=5000-"]
+    assert (d / TRAIN1).read_bytes() == hub.files[TRAIN1]
+
+
+def test_a_part_file_that_does_not_fit_starts_again(hub, tmp_path):
+    d = tmp_path / "fineweb_edu"
+    os.makedirs(d)
+    (d / VAL).write_bytes(hub.files[VAL])
+    (d / (TRAIN1 + ".part")).write_bytes(b"x" * 20000)  # longer than the file: 416
+    common.prepare("fineweb_edu", str(tmp_path), shards=1)
+    assert hub.ranges == ["bytes=20000-", None]
+    assert (d / TRAIN1).read_bytes() == hub.files[TRAIN1]
+
+
+def test_a_range_answered_from_elsewhere_starts_again(hub, tmp_path):
+    d = tmp_path / "fineweb_edu"
+    os.makedirs(d)
+    (d / VAL).write_bytes(hub.files[VAL])
+    (d / (TRAIN1 + ".part")).write_bytes(hub.files[TRAIN1][:5000])
+    hub.misplaced = True  # 206 with bytes 0-9023: appended, it would duplicate the first 5,000
+    common.prepare("fineweb_edu", str(tmp_path), shards=1)
+    assert hub.ranges == ["bytes=5000-", None]
+    assert (d / TRAIN1).read_bytes() == hub.files[TRAIN1]
+
+
+def test_offline_uses_the_shards_in_the_folder_and_never_touches_the_network(tmp_path):
+    d = tmp_path / "fineweb_edu"
+    os.makedirs(d)
+    for name, seed in ((VAL, 0), (TRAIN1, 1)):
+        (d / name).write_bytes(shard_bytes(tokens(500, seed)))
+    meta = common.prepare("fineweb_edu", str(tmp_path), url="http://127.0.0.1:9/unreachable")
+    assert (meta["train_tokens"], meta["val_tokens"]) == (500, 500)
+
+
+def test_offline_without_the_shards_is_one_line_naming_the_files_and_the_folder(tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(common.time, "sleep", lambda s: None)
+    with pytest.raises(common.NanorouteError) as e:
+        common.prepare("fineweb_edu", str(tmp_path), url="http://127.0.0.1:9/unreachable")
+    msg = str(e.value)
+    assert "\n" not in msg and VAL in msg and TRAIN1 in msg
+    assert str(tmp_path / "fineweb_edu") in msg
+
+
+@pytest.mark.parametrize("bad, why", [
+    (shard_bytes(np.arange(100), magic=20240521), "not an llm.c token shard"),
+    (shard_bytes(np.arange(100), version=2), "not an llm.c token shard"),
+    (shard_bytes(np.arange(100))[:600], "1,024-byte header"),
+    (shard_bytes(np.arange(100))[:-2], "header says 100 tokens"),  # a truncated body
+    (shard_bytes(np.arange(100), count=101), "header says 101 tokens"),
+    (shard_bytes(np.arange(100)) + b"\0\0", "header says 100 tokens"),  # a longer body
+], ids=["magic", "version", "short-header", "truncated", "count", "long"])
+def test_a_damaged_shard_is_one_error_naming_the_file(tmp_path, bad, why):
+    d = tmp_path / "fineweb_edu"
+    os.makedirs(d)
+    (d / VAL).write_bytes(shard_bytes(tokens(500, 0)))
+    (d / TRAIN1).write_bytes(bad)
+    with pytest.raises(common.NanorouteError, match=why) as e:
+        common.prepare("fineweb_edu", str(tmp_path), url="http://127.0.0.1:9/unreachable")
+    assert str(d / TRAIN1) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_shard_damaged_after_preparation_is_refused_when_loaded(hub, tmp_path):
+    common.prepare("fineweb_edu", str(tmp_path), shards=2)
+    path = tmp_path / "fineweb_edu" / TRAIN2
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(common.NanorouteError, match=re.escape(str(path))):
+        common.load_split("fineweb_edu", "train", str(tmp_path))
+
+
+def test_windows_never_cross_a_shard_end():
+    """Shard s holds only the token s: a window across an end would mix two values."""
+    shards = common.Shards([np.full(n, s, dtype=np.uint16) for s, n in enumerate((40, 9, 25))])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        x, y = common.get_batch(shards, {}, 16, 8, rng)
+        assert x.shape == y.shape == (16, 8) and x.dtype == torch.int64
+        w = torch.cat([x, y[:, -1:]], 1)  # (B, T + 1)
+        assert (w == w[:, :1]).all()
+
+
+def test_windows_are_y_shifted_x_and_reach_every_start():
+    """Every window (start) of every shard is drawn, the last included; y = x shifted by one."""
+    a, b = np.arange(0, 12, dtype=np.uint16), np.arange(100, 110, dtype=np.uint16)
+    shards = common.Shards([a, b])
+    x, y = shards.batch(4000, 4, np.random.default_rng(1))
+    assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y[:, -1], x[:, -1] + 1)
+    starts = set(x[:, 0].tolist())
+    assert starts == set(range(0, 12 - 5 + 1)) | set(range(100, 100 + 10 - 5 + 1))  # 5 tokens
+
+
+def test_shards_are_drawn_in_proportion_to_their_windows():
+    """Uniform over windows: a shard of 1,005 tokens holds 1,000 windows of 6, one of 105 holds
+    100, so it is drawn 10/11 of the time (a uniform choice of shard would give 1/2)."""
+    shards = common.Shards([np.zeros(1005, dtype=np.uint16), np.ones(105, dtype=np.uint16)])
+    x, _ = shards.batch(20000, 5, np.random.default_rng(2))
+    share = (x[:, 0] == 0).float().mean().item()
+    assert abs(share - 10 / 11) < 0.01, share
+
+
+def test_block_size_longer_than_every_shard_is_refused():
+    shards = common.Shards([np.zeros(10, dtype=np.uint16), np.zeros(12, dtype=np.uint16)])
+    with pytest.raises(common.NanorouteError, match="longer than every shard"):
+        shards.batch(2, 12, np.random.default_rng(0))
+
+
+def test_meta_decodes_gpt2_tokens(hub, tmp_path):
+    meta = common.prepare("fineweb_edu", str(tmp_path), shards=1)
+    ids = common.bpe().encode_ordinary("Photosynthesis converts light into energy.")
+    assert common.decode(meta, ids) == "Photosynthesis converts light into energy."
+    assert meta["encoding"] == "r50k_base"  # what --init_from gpt2 requires of a dataset
+
+
+def test_shards_must_be_a_positive_integer(tmp_path):
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(common.NanorouteError, match="shards must be an integer >= 1"):
+            common.prepare("fineweb_edu", str(tmp_path), shards=bad)
+
+
+def test_hf_url_is_the_hub_unless_the_environment_names_another(monkeypatch):
+    monkeypatch.delenv("NANOROUTE_HF_URL", raising=False)
+    assert common.hf_url() == "https://huggingface.co"
+    monkeypatch.setenv("NANOROUTE_HF_URL", "http://mirror.example/")
+    assert common.hf_url() == "http://mirror.example"
