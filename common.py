@@ -1,10 +1,11 @@
 """
 nanoroute/common.py: the small shared core every paper file imports.
 
-1. data      prepare() writes data/<name>/{train,val}.bin (uint16) + meta.json once; get_batch()
-             reads windows.
+1. data      prepare() writes data/<name>/{train,val}.bin (uint16) + meta.json once (fineweb_edu:
+             llm.c token shards, read in place); get_batch() reads windows.
 2. blocks    the pre-norm GPT block (attention and FFN deltas apart) and the dense GPT baseline.
-3. compute   TLOps savings Δ (TSA eq. 7) and forward FLOPs per token of each block component.
+3. compute   TLOps savings Δ (TSA eq. 7), forward FLOPs per token of each block component, the
+             FLOPs a training step executed, GPUs' peak FLOP/s, tokens/s and MFU.
 4. plumbing  device/autocast/sync, AdamW groups, atomic checkpoints, eval loop, sampling.
 
 Every model file has a `Config` and a `Model` whose `forward(idx, targets=None, sparse=False)`
@@ -767,6 +768,91 @@ def dense_flops_per_token(cfg, T):
     attn = flops_qkv(d) + flops_attn_out(d) + flops_attn_scores(d, mean_context(T))
     layer = attn + flops_ffn(d, 4 * d)
     return cfg.n_layer * layer + flops_lm_head(d, cfg.vocab_size)
+
+
+def train_flops_per_token(model, T, stats=None):
+    """Forward FLOPs per token that one training forward of `model` (unwrapped: not compiled, not
+    DDP) executed on length-T sequences, from its file's accounting; stats: that forward's.
+    gpt: the dense GPT. tsa: every block and router runs (training gates, it skips nothing);
+    the early-exit baseline: every block and its L exit heads. dtrnet: the packed pass runs Q, K
+    and the scores on the routed share only (its stats' flops_ratio of the dense GPT).
+    hybrid_attn: both mixers in every routed layer. conddepth: both FFNs for every controlled
+    token (eq. 9) and the controllers; the oracle's forks on its label steps are not counted."""
+    cfg, stats = model.cfg, stats or {}
+    paper = sys.modules[type(model).__module__]  # the paper file: its own accounting
+    name = paper.__name__
+    if name == "tsa":
+        mode = "exit" if cfg.variant == "early_exit" else "soft"
+        return float(paper.flops_per_token(cfg, T, 1.0, mode))
+    if name == "dtrnet" and "flops_ratio" in stats:
+        return float(stats["flops_ratio"]) * dense_flops_per_token(cfg, T)
+    if name == "hybrid_attn":
+        return float(paper.flops_per_token(cfg, T, sparse=False))
+    if name == "conddepth":
+        d, C = cfg.n_embd, cfg.n_controlled
+        both = flops_ffn(d, cfg.cheap_rank) + paper.controller_flops(cfg, train=True)
+        return dense_flops_per_token(cfg, T) + C * both
+    return float(dense_flops_per_token(cfg, T))
+
+
+def train_flops(flops_per_token, tokens):
+    """FLOPs of a training step over `tokens` tokens: the forward, and a backward of twice its
+    FLOPs (a gradient for the input and one for the weights of each matmul). A frozen weight
+    (conddepth's controller-only setting) has no weight gradient: there this overcounts."""
+    return 3 * flops_per_token * tokens
+
+
+# Peak dense FLOP/s by GPU and dtype, from the vendors' datasheets. NVIDIA's tables print the
+# tensor-core figures with 2:4 structured sparsity ("*: with sparsity"), twice the dense ones:
+# the numbers below are the dense halves. fp32: the CUDA-core FP32 figure (no TF32). bf16/fp16:
+# tensor cores with FP32 accumulation (GeForce cards run that at half their FP16-accumulate
+# rate). V100 and T4 have no bf16 (autocast runs fp16 there). The first pattern that matches
+# torch.cuda.get_device_name wins.
+GPU_PEAKS = (  # (regex, {dtype: FLOP/s})
+    (r"H100.*PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),  # 1513 sparse
+    (r"H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),  # SXM: 1979 sparse
+    (r"H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),  # SXM: 1979 sparse
+    (r"A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),  # 624 sparse
+    (r"\bL4\b", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),  # 242 sparse
+    (r"\bA10\b", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),  # 250 sparse
+    # AWS's A10G: NVIDIA publishes no datasheet and third parties' tensor figures disagree
+    # (62.5 to 125 TFLOPS), so only its FP32 (the A10's 9,216 CUDA cores) is given
+    (r"A10G", {"fp32": 31.2e12}),
+    (r"RTX 4090", {"bf16": 165.2e12, "fp16": 165.2e12, "fp32": 82.6e12}),  # 330.3 sparse
+    (r"RTX 3090(?! Ti)", {"bf16": 71e12, "fp16": 71e12, "fp32": 35.6e12}),  # 142 sparse
+    (r"V100.*PCIE", {"fp16": 112e12, "fp32": 14e12}),
+    (r"V100", {"fp16": 125e12, "fp32": 15.7e12}),  # SXM2
+    (r"\bT4\b", {"fp16": 65e12, "fp32": 8.1e12}),
+)
+
+
+def peak_flops(device, dtype, peak=None):
+    """The device's peak dense FLOP/s in dtype ('fp32', 'bf16', 'fp16'): `peak` when a user gives
+    it (> 0), else GPU_PEAKS' entry for the GPU's name; None ("peak unknown") on a CPU, MPS, or a
+    GPU or dtype not in the table: a made-up peak would make a made-up MFU."""
+    if peak is not None:
+        if not (isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0):
+            raise NanorouteError(f"peak FLOP/s must be a positive number, got {peak!r}")
+        return float(peak)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    table = next((t for pattern, t in GPU_PEAKS if re.search(pattern, name, re.I)), {})
+    return table.get(dtype)
+
+
+def throughput(flops_per_token, tokens, seconds, peak):
+    """A training step of `tokens` tokens in `seconds` -> (tokens/s, MFU: the share of the peak
+    FLOP/s the step's executed FLOPs reached; None when the peak is unknown)."""
+    tps = tokens / seconds
+    return tps, (train_flops(flops_per_token, tps) / peak if peak else None)
+
+
+def throughput_text(tps, mfu):
+    """'12,345 tok/s, MFU 41.2%', or '12,345 tok/s, MFU: peak unknown' (a CPU, MPS, a GPU or
+    dtype not in the table, and no peak given)."""
+    return f"{tps:,.0f} tok/s, " + (f"MFU {mfu:.1%}" if mfu is not None else "MFU: peak unknown")
 
 
 # --------------------------------------------------------------------------------------------------
