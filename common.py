@@ -451,8 +451,8 @@ def prepare_fineweb(data_dir=DATA_DIR, shards=1, url=None):
         os.makedirs(d, exist_ok=True)
         hint = (f"download {', '.join(missing)} from {base}/ into {d}/ (a .part file there is "
                 "continued)")
-    for f in missing:
-        print(f"downloading {f} ({missing.index(f) + 1}/{len(missing)}) from {base}/")
+    for i, f in enumerate(missing):
+        print(f"downloading {f} ({i + 1}/{len(missing)}) from {base}/")
         download(f"{base}/{f}", os.path.join(d, f), hint=hint, resume=True)
     meta = {"dataset": "fineweb_edu", "vocab_size": 50257, "encoding": "r50k_base",
             "unit": "token", "shards": files}

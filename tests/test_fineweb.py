@@ -1,6 +1,7 @@
 """fineweb_edu: llm.c token shards downloaded from a server on 127.0.0.1 (resumed after an
 interruption), checked, memory-mapped, and sampled in windows that never cross a shard's end."""
 import functools
+import hashlib
 import http.server
 import json
 import os
@@ -32,11 +33,13 @@ def tokens(n, seed):
 class RangeServer:
     """Serves self.files[name] under the Hub's path on 127.0.0.1, honouring `Range: bytes=a-`;
     self.cut[name] = k: the next response for name stops after k bytes of its body (a dropped
-    connection); self.misplaced: a range is answered from byte 0 (a broken mirror).
+    connection); self.misplaced: a range is answered from byte 0 (a broken mirror);
+    self.no_ranges: Range is ignored (200 and the whole file, as HTTP allows).
     self.ranges: the Range header of each request (None: none)."""
 
     def __init__(self):
-        self.files, self.cut, self.ranges, self.misplaced = {}, {}, [], False
+        self.files, self.cut, self.ranges = {}, {}, []
+        self.misplaced = self.no_ranges = False
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -48,7 +51,7 @@ class RangeServer:
                     return
                 body, start = outer.files[name], 0
                 m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
-                if m:
+                if m and not outer.no_ranges:
                     start = 0 if outer.misplaced else int(m.group(1))
                     if start >= len(body):
                         self.send_error(416)
@@ -152,6 +155,32 @@ def test_a_range_answered_from_elsewhere_starts_again(hub, tmp_path):
     common.prepare("fineweb_edu", str(tmp_path), shards=1)
     assert hub.ranges == ["bytes=5000-", None]
     assert (d / TRAIN1).read_bytes() == hub.files[TRAIN1]
+
+
+def test_a_server_without_ranges_sends_the_whole_file_and_it_replaces_the_part(hub, tmp_path):
+    d = tmp_path / "fineweb_edu"
+    os.makedirs(d)
+    (d / VAL).write_bytes(hub.files[VAL])
+    (d / (TRAIN1 + ".part")).write_bytes(hub.files[TRAIN1][:5000])
+    hub.no_ranges = True
+    common.prepare("fineweb_edu", str(tmp_path), shards=1)
+    assert hub.ranges == ["bytes=5000-"]
+    assert (d / TRAIN1).read_bytes() == hub.files[TRAIN1]
+
+
+def test_a_resumed_download_checks_the_sha256_of_the_whole_file(hub, tmp_path):
+    """The hash covers the bytes already in the .part file, not just the ones fetched now."""
+    body = hub.files[TRAIN1]
+    dest = str(tmp_path / "f.bin")
+    open(dest + ".part", "wb").write(body[:5000])
+    url = hub.url + HUB_PATH + TRAIN1
+    common.download(url, dest, sha256=hashlib.sha256(body).hexdigest(), resume=True)
+    assert hub.ranges == ["bytes=5000-"] and open(dest, "rb").read() == body
+    other = str(tmp_path / "g.bin")
+    open(other + ".part", "wb").write(b"y" * 5000)  # a part that is not this file's start
+    with pytest.raises(common.NanorouteError, match="sha256 mismatch"):
+        common.download(url, other, sha256=hashlib.sha256(body).hexdigest(), resume=True)
+    assert not os.path.exists(other) and not os.path.exists(other + ".part")  # not kept
 
 
 def test_offline_uses_the_shards_in_the_folder_and_never_touches_the_network(tmp_path):
