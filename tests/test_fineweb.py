@@ -282,3 +282,22 @@ def test_hf_url_is_the_hub_unless_the_environment_names_another(monkeypatch):
     assert common.hf_url() == "https://huggingface.co"
     monkeypatch.setenv("NANOROUTE_HF_URL", "http://mirror.example/")
     assert common.hf_url() == "http://mirror.example"
+
+
+TINY = ["--model=tsa", "--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16",
+        "--batch_size=2", "--eval_iters=1", "--eval_interval=2", "--log_interval=1",
+        "--max_iters=2", "--warmup_iters=1", "--hard_ft_iters=1", "--device=cpu"]
+
+
+def test_train_py_runs_on_fineweb_edu_through_the_server_then_from_the_folder(hub, tmp_path,
+                                                                              capsys):
+    import train
+    data = tmp_path / "data"
+    train.main(TINY + ["--dataset=fineweb_edu", f"--data_dir={data}", f"--out_dir={tmp_path}/a"])
+    out = capsys.readouterr().out
+    assert "train_tokens 4,000" in out and "step 2: train loss" in out
+    run = json.load(open(tmp_path / "a" / "config.json"))
+    assert (run["dataset"], run["vocab_size"]) == ("fineweb_edu", 50257)
+    os.environ["NANOROUTE_HF_URL"] = "http://127.0.0.1:9"  # offline: the shards there suffice
+    train.main(TINY + ["--dataset=fineweb_edu", f"--data_dir={data}", f"--out_dir={tmp_path}/b"])
+    assert "step 2: train loss" in capsys.readouterr().out
