@@ -14,9 +14,10 @@ Every Config field is a flag (--key=value or --key value); the model file's Conf
 and its PRESETS dict the named presets. Order: defaults < preset < flags. Each eval writes one JSON
 line to out/<run>/metrics.jsonl and an atomic checkpoint (ckpt.pt: the latest, for --resume;
 best.pt: the weights with the best val loss); --resume continues exactly where the last one left
-off. The run ends with a summary: hard (what inference runs) vs soft loss, vs a dense GPT of the
-same preset in out/, work really skipped per layer, sparse vs dense speed measured on the spot, the
-routing picture, and a sample.
+off, with the run's saved values (its config.json: a flag that differs is refused). The run ends
+with a summary: hard (what inference runs) vs soft loss, vs a dense GPT of the same preset in
+out/, work really skipped per layer, sparse vs dense speed measured on the spot, the routing
+picture, and a sample.
 """
 import dataclasses
 import html
@@ -42,11 +43,20 @@ MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "condd
 # an out_dir with one of these holds a run
 RUN_FILES = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")
 OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")  # what --overwrite removes
+# What a user may change when resuming a run; every other value is the run's saved one (a flag that
+# differs is refused): how long it trains and how often it looks (max_iters, eval_interval,
+# log_interval), where it runs (device, compile: the same computation) and where its files are
+# now (out_dir, data_dir: a run or its data may move). eval_iters is not among them: every val
+# loss in a run's log (and so best.pt) is measured on the same batches.
+MAY_CHANGE = ("max_iters", "eval_interval", "log_interval", "device", "compile", "out_dir",
+              "data_dir")
 FLAGS = {  # the flags that are not Config fields: default, one line of help
     "model": ("gpt", "the model: " + ", ".join(MODELS)),
     "dataset": ("shakespeare", "the data: " + ", ".join(common.DATASETS)),
     "preset": ("", "named settings of the model (listed below); defaults < preset < flags"),
-    "resume": (False, "continue the run in out_dir from its ckpt.pt (same model, data and sizes)"),
+    "resume": (False, "continue the run in out_dir from its ckpt.pt with the values in its "
+               "config.json: a flag that differs is refused, but --"
+               + ", --".join(MAY_CHANGE) + " may change"),
     "overwrite": (False, "start over in an out_dir that holds a run: first removes its "
                   + ", ".join(OUTPUTS)),
 }
@@ -104,33 +114,95 @@ def split_flags(argv, may_be_empty=()):
 
 
 def parse_args(argv):
-    """argv -> (Config, model module, mode: "new", "resume" or "overwrite"). Unknown keys and bad
-    values are one-line errors."""
+    """argv -> (Config, model module, mode: "new", "resume" or "overwrite")."""
+    return parse(argv)[:3]
+
+
+def parse(argv):
+    """argv -> (Config, model module, mode, given: {field: the flag that set it, e.g. '--lam' or
+    '--preset classroom'}). Unknown keys and bad values are one-line errors. With --resume the
+    Config is the run's saved one (resumed_values)."""
     opts = split_flags(argv)
-    name, module = model_module(opts.pop("model", "gpt"))
-    dataset = opts.pop("dataset", None) or "shakespeare"
-    if dataset not in common.DATASETS:
-        raise NanorouteError(f"unknown dataset {dataset!r}; "
-                             f"choose one of {', '.join(common.DATASETS)}")
+    explicit = set(opts)
     resume = parse_value("resume", bool, opts.pop("resume", "false"))
     overwrite = parse_value("overwrite", bool, opts.pop("overwrite", "false"))
     if resume and overwrite:
         raise NanorouteError("--resume continues the run in out_dir, --overwrite removes it: "
                              "give one of them")
+    saved, saved_at = {}, None
+    if resume:  # the run's model and dataset are the defaults of --model and --dataset
+        out = opts.get("out_dir") or os.path.join(
+            "out", f"{opts.get('model') or 'gpt'}-{opts.get('dataset') or 'shakespeare'}")
+        saved, saved_at = saved_config(parse_value("out_dir", str, out))
+    name, module = model_module(opts.pop("model", saved.get("model", "gpt")))
+    dataset = opts.pop("dataset", saved.get("dataset")) or "shakespeare"
+    if dataset not in common.DATASETS:
+        raise NanorouteError(f"unknown dataset {dataset!r}; "
+                             f"choose one of {', '.join(common.DATASETS)}")
     preset, presets = opts.pop("preset", None), getattr(module, "PRESETS", {})
     if preset is not None and preset not in presets:
         raise NanorouteError(f"unknown preset {preset!r} for --model {name}; choose one of "
                              f"{', '.join(presets) or '(none)'}")
     values = dict(presets[preset]) if preset is not None else {}  # defaults < preset < flags
+    given = {k: f"--preset {preset} (its {k})" for k in values}
     fields = {f.name: f for f in dataclasses.fields(module.Config)}
     for key, val in opts.items():
         if key not in fields or key in FLAGS:
             valid = list(FLAGS) + sorted(set(fields) - set(FLAGS))
             raise NanorouteError(f"unknown option --{key}; valid: --{', --'.join(valid)}")
-        values[key] = parse_value(key, fields[key].type, val)
+        values[key], given[key] = parse_value(key, fields[key].type, val), f"--{key}"
     values.update(model=name, dataset=dataset)
+    given.update({k: f"--{k}" for k in ("model", "dataset") if k in explicit})
+    if resume:
+        values = resumed_values(saved, saved_at, values, given)
     mode = "resume" if resume else "overwrite" if overwrite else "new"
-    return module.Config(**values), module, mode
+    return module.Config(**values), module, mode, given
+
+
+def saved_config(out):
+    """--resume: (the config a run in out was trained with, the file it came from): its config.json,
+    or where that is gone, its ckpt.pt's copy. Checked to be a config of a known model."""
+    path, ckpt_path = os.path.join(out, "config.json"), os.path.join(out, "ckpt.pt")
+    if not os.path.exists(ckpt_path):
+        held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+        raise NanorouteError(f"--resume: no {ckpt_path} to resume from" + (
+            "; the run stopped before its first checkpoint: start it again with --overwrite"
+            if held else ""))
+    if not os.path.exists(path):
+        path, saved = ckpt_path, common.load_checkpoint(ckpt_path)["config"]
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise NanorouteError(f"{path} is not readable JSON ({type(e).__name__}): it holds the "
+                                 "run's flags; restore it, or delete it to use ckpt.pt's copy")
+    if not isinstance(saved, dict) or saved.get("model") not in MODELS:
+        raise NanorouteError(f"{path} is not a nanoroute run's config (no known model in it)")
+    known = {f.name for f in dataclasses.fields(model_module(saved["model"])[1].Config)}
+    odd = sorted(set(saved) - known)
+    if odd:
+        raise NanorouteError(f"{path} has fields --model {saved['model']} does not know "
+                             f"({', '.join(odd[:3])}): it was written by other code")
+    return saved, path
+
+
+def resumed_values(saved, saved_at, values, given):
+    """Rule of --resume: every value is the run's saved one; a flag (or a preset's setting) that
+    differs is refused, but for MAY_CHANGE."""
+    out = dict(saved)
+    first = sorted(values, key=lambda k: k not in ("model", "dataset"))  # the run's kind first
+    for k, v in ((k, values[k]) for k in first):
+        if k in MAY_CHANGE or k not in saved:  # not saved: a field newer than the run
+            out[k] = v
+        elif v != saved[k]:
+            raise NanorouteError(
+                f"--resume: {given.get(k, '--' + k)} asks for {k}={show(v)} but {saved_at} has "
+                f"{k}={show(saved[k])}; a resumed run keeps its values: drop {given.get(k)} "
+                f"(may change: --{', --'.join(MAY_CHANGE)})")
+    # the folder it was found in, wherever the run was first written
+    out["out_dir"] = values.get("out_dir", os.path.dirname(saved_at) or ".")
+    return out
 
 
 def model_module(name):
@@ -279,11 +351,11 @@ def check_out_dir(cfg, mode, world):
                              "best.pt?): --resume needs the ckpt.pt a run writes; to train on from "
                              f"its weights, start a new run with --init_from={path}")
     saved = ckpt["config"]
-    for k in ("model", "dataset", *common.ARCH_FIELDS):
-        if saved.get(k, getattr(cfg, k)) != getattr(cfg, k):
-            raise NanorouteError(f"checkpoint {path} has {k}={saved[k]} but this run asks for "
-                                 f"{k}={getattr(cfg, k)}; resume with the flags it was trained "
-                                 f"with ({os.path.join(out, 'config.json')})")
+    for k in (f.name for f in dataclasses.fields(cfg)):
+        if k not in MAY_CHANGE and saved.get(k, getattr(cfg, k)) != getattr(cfg, k):
+            raise NanorouteError(f"checkpoint {path} has {k}={show(saved[k])} but this run asks "
+                                 f"for {k}={show(getattr(cfg, k))}; resume with the values it was "
+                                 f"trained with ({os.path.join(out, 'config.json')})")
     n = len(ckpt["rng_cpu"])
     if n != world:
         how = "python train.py ..." if n == 1 else f"torchrun --nproc_per_node={n} train.py ..."
@@ -331,9 +403,9 @@ def write_atomic(path, text):
     common.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def train(cfg, module, mode="new"):
+def train(cfg, module, mode="new", given=None):
     """mode: "new" (refused where out_dir holds a run), "resume" or "overwrite" (removes the old run
-    first)."""
+    first); given: the fields the user set (parse), for --init_from."""
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     device = common.pick_device(cfg.device)
@@ -350,8 +422,9 @@ def train(cfg, module, mode="new"):
         torch.distributed.barrier()
         meta = common.load_meta(cfg.dataset, cfg.data_dir)
     init = None
-    if cfg.init_from:  # another run's or GPT-2's weights, and their architecture
-        cfg, init = start_from(cfg, module, meta, master, ddp)
+    # another run's or GPT-2's weights, and their architecture (a resumed run has its own)
+    if cfg.init_from and mode != "resume":
+        cfg, init = start_from(cfg, module, meta, master, ddp, given)
     cfg = resolve(cfg, meta)
     check_fits(cfg, meta, module, device)
     # COMPILE_REFUSED: device type -> why compile is refused there
@@ -489,11 +562,13 @@ def train(cfg, module, mode="new"):
     return best_val
 
 
-def start_from(cfg, module, meta, master=True, ddp=False):
+def start_from(cfg, module, meta, master=True, ddp=False, given=None):
     """--init_from -> (cfg with the checkpoint's architecture, its state dict). The checkpoint is
     another run's ckpt.pt, or a Hugging Face GPT-2: a Hub name (downloaded once into data/hf/NAME/)
-    or a folder holding config.json + model.safetensors. A flag that contradicts the checkpoint is
-    refused: a value other than the model's default (given, or set by a preset) was asked for."""
+    or a folder holding config.json + model.safetensors. The architecture is the checkpoint's: a
+    value given (a flag, or a preset's setting: given, see parse) that differs is refused, and one
+    line says which values came from the checkpoint. given=None: the values other than the
+    model's defaults count as given."""
     src, gpt2 = cfg.init_from, is_hf_gpt2(cfg.init_from)
     if gpt2 and os.path.isfile(os.path.join(src, "ckpt.pt")):
         raise NanorouteError(f"--init_from {src} is a run: pass {os.path.join(src, 'ckpt.pt')}")
@@ -525,6 +600,8 @@ def start_from(cfg, module, meta, master=True, ddp=False):
                              f"--dataset {cfg.dataset} one of {meta['vocab_size']}: use the "
                              "dataset it learned")
     defaults = {f.name: f.default for f in dataclasses.fields(module.Config)}
+    if given is None:
+        given = {k: f"--{k}" for k, v in defaults.items() if getattr(cfg, k) != v}
     if gpt2:  # the run's block_size stays: GPT-2's positions may be cropped (as nanoGPT does)
         n_pos = arch.pop("block_size")
         if cfg.block_size > n_pos:
@@ -534,9 +611,12 @@ def start_from(cfg, module, meta, master=True, ddp=False):
             print(f"note: block_size {cfg.block_size} keeps the first {cfg.block_size} of {src}'s "
                   f"{n_pos} positions (--block_size={n_pos} for all of them)")
     for k, v in arch.items():
-        if k != "vocab_size" and getattr(cfg, k) not in (v, defaults[k]):
+        if k != "vocab_size" and k in given and getattr(cfg, k) != v:
             raise NanorouteError(f"--init_from {src} has {k}={v}, but this run asks for "
                                  f"{k}={getattr(cfg, k)}: drop --{k} (or the --preset setting it)")
+    if master:
+        print(f"from --init_from {src}: " + ", ".join(f"{k}={show(v)}" for k, v in arch.items())
+              + "; the rest from this run's flags and defaults")
     cfg = dataclasses.replace(cfg, **arch)
     if not gpt2:
         return cfg, ckpt["model"]
@@ -1003,8 +1083,8 @@ def main(argv=None):
             sample_run(argv)
             sys.stdout.flush()
             return None
-        cfg, module, mode = parse_args(argv)
-        best = train(cfg, module, mode)
+        cfg, module, mode, given = parse(argv)
+        best = train(cfg, module, mode, given)
         if "RANK" in os.environ:
             # DDP keeps gloo's worker threads alive past destroy_process_group, and one that frees a
             # collective's tensors while the interpreter shuts down aborts the process (SIGABRT): a

@@ -60,6 +60,14 @@ def copy_run(runs, tmp_path, name="gpt"):
     return tmp_path / name
 
 
+def edit_config(out, lr=None, model=None):
+    """A config.json edited by hand after the run was written."""
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update({k: v for k, v in (("learning_rate", lr), ("model", model)) if v is not None})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
 def damage(path, size):
     with open(path, "r+b") as f:
         f.truncate(size)
@@ -106,11 +114,22 @@ TRAIN_CASES = {
                             or t / "x", "holds a run (metrics.jsonl)"),
     "resume nothing": (["--resume"], lambda r, t, m: t / "none", "no {out}/ckpt.pt to resume from"),
     "resume another model": (["--resume", "--model=tsa", "--n_layer=2", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
-                             "has model=gpt but this run asks for model=tsa"),
+                             "--resume: --model asks for model=tsa but {out}/config.json has model=gpt"),
     "resume another size": (["--resume", "--n_embd=32", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
-                            "has n_embd=16 but this run asks for n_embd=32"),
+                            "--n_embd asks for n_embd=32 but {out}/config.json has n_embd=16"),
     "resume another dataset": (["--resume", "--dataset=sort", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
-                               "has dataset=shakespeare but this run asks for dataset=sort"),
+                               "--dataset asks for dataset=sort but {out}/config.json has dataset=shakespeare"),
+    "resume with another seed": (["--resume", "--seed=7", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
+                                 "--resume: --seed asks for seed=7 but {out}/config.json has seed=1337; a "
+                                 "resumed run keeps its values: drop --seed (may change: --max_iters"),
+    "resume with a preset": (["--resume", "--preset=paper", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
+                             "--preset paper (its learning_rate) asks for learning_rate=0.001 but"),
+    "resume with another eval_iters": (["--resume", "--eval_iters=3", "--max_iters=9"],
+                                       lambda r, t, m: copy_run(r, t), "--eval_iters asks for eval_iters=3"),
+    "resume an edited config.json": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
+        copy_run(r, t), lr=0.5), "ckpt.pt has learning_rate=0.002 but this run asks for learning_rate=0.5"),
+    "resume a config.json of nothing": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
+        copy_run(r, t), model="mlp"), "config.json is not a nanoroute run's config"),
     "resume a best.pt copy": (["--resume", "--max_iters=9"], lambda r, t, m: shutil.copy(
         copy_run(r, t) / "best.pt", t / "gpt" / "ckpt.pt") and t / "gpt", "has no training state (optimizer"),
     "resume at max_iters": (["--resume"], lambda r, t, m: copy_run(r, t), "is at step 4 and --max_iters=4"),
@@ -216,6 +235,34 @@ def test_resume_after_a_partial_last_log_line(runs, tmp_path, capsys):
     assert "dropped its last line, cut short" in capsys.readouterr().out
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert recs[-1]["step"] == 6 and [r["step"] for r in recs if r["kind"] == "train"] == list(range(6))
+
+
+def test_resume_takes_every_value_from_the_runs_config(runs, tmp_path, capsys):
+    """Resumed with only the folder and a longer --max_iters: the model, sizes, schedule and seed are the
+    run's (config.json), not today's defaults; the flags a user may change mid-run are applied."""
+    out = copy_run(runs, tmp_path, "tsa")
+    saved = json.loads((out / "config.json").read_text())
+    train.main(["--resume", f"--out_dir={out}", "--max_iters=3", "--log_interval=2", "--device=cpu"])
+    now = json.loads((out / "config.json").read_text())
+    assert now == {**saved, "max_iters": 3, "log_interval": 2, "out_dir": str(out)}
+    assert now["model"] == "tsa" and now["n_layer"] == 2 and now["hard_ft_iters"] == 1
+    assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == 3
+    assert "resuming" in capsys.readouterr().out
+
+
+def test_init_from_a_run_says_what_came_from_it_and_refuses_a_given_value(runs, tmp_path, capsys):
+    """--n_layer=6 is the default, but given it is asked for: refused, not silently replaced by the
+    checkpoint's 1; left out, the checkpoint's sizes are taken and named in one line."""
+    ckpt = runs / "gpt" / "ckpt.pt"
+    base = [f"--data_dir={runs / 'data'}", f"--init_from={ckpt}", "--max_iters=1", "--eval_iters=1",
+            "--batch_size=2", "--device=cpu"]
+    err = one_error(capsys, lambda: train.main(base + ["--n_layer=6", f"--out_dir={tmp_path / 'a'}"]))
+    assert "has n_layer=1, but this run asks for n_layer=6: drop --n_layer" in err
+    assert not (tmp_path / "a").exists()
+    train.main(base + [f"--out_dir={tmp_path / 'b'}"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("from --init_from")]
+    assert lines == [f"from --init_from {ckpt}: vocab_size=65, block_size=16, n_layer=1, n_head=2, "
+                     "n_embd=16, bias=false, gelu=none; the rest from this run's flags and defaults"]
 
 
 def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):

@@ -536,7 +536,7 @@ def test_resume_errors_are_one_line(data_dir, tmp_path, capsys):
     run(["--max_iters=5"], data_dir, tmp_path)
     with pytest.raises(SystemExit):
         run(["--resume", "--n_embd=64"], data_dir, tmp_path)
-    assert "has n_embd=32 but this run asks for n_embd=64" in capsys.readouterr().err
+    assert "--n_embd asks for n_embd=64 but" in capsys.readouterr().err
     (tmp_path / "ckpt.pt").write_bytes(b"garbage")
     with pytest.raises(SystemExit):
         run(["--resume"], data_dir, tmp_path)
