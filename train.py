@@ -19,6 +19,7 @@ with a summary: hard (what inference runs) vs soft loss, vs a dense GPT of the s
 out/, work really skipped per layer, sparse vs dense speed measured on the spot, the routing
 picture, and a sample.
 """
+import contextlib
 import dataclasses
 import html
 import importlib
@@ -28,12 +29,18 @@ import math
 import os
 import re
 import shlex
+import socket
 import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 import common
 from common import NanorouteError
@@ -320,10 +327,9 @@ def check_fits(cfg, meta, module, device):
                              f"more than {where} ({limit / 2 ** 30:,.0f} GiB)")
 
 
-def check_out_dir(cfg, mode, world):
-    """Refuse, before any work, an out_dir that cannot be written or that holds a run a new one
-    would replace. With --resume, return its checkpoint once it is known to fit this run."""
-    out, parent = cfg.out_dir, cfg.out_dir
+def check_writable(out):
+    """Refuse an out_dir that cannot be made or written in."""
+    parent = out
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if parent and not os.path.isdir(parent):
@@ -332,6 +338,13 @@ def check_out_dir(cfg, mode, world):
         tempfile.TemporaryFile(dir=parent or ".").close()
     except OSError as e:
         raise NanorouteError(f"--out_dir {out}: cannot write in {parent or '.'} ({e.strerror})")
+
+
+def check_out_dir(cfg, mode, world):
+    """Refuse, before any work, an out_dir that cannot be written or that holds a run a new one
+    would replace. With --resume, return its checkpoint once it is known to fit this run."""
+    out = cfg.out_dir
+    check_writable(out)
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if mode == "new" and held:
         raise NanorouteError(f"{out} holds a run ({', '.join(held)}): continue it with --resume, "
@@ -366,6 +379,50 @@ def check_out_dir(cfg, mode, world):
                              f"nothing left to train; give a --max_iters above {ckpt['iter']} "
                              "to train on")
     return ckpt
+
+
+LOCK = "train.lock"  # in a run folder while a process trains into it: its pid and host
+
+
+@contextlib.contextmanager
+def run_lock(out_dir):
+    """Rule: one run folder, one writer. An exclusive flock on out_dir/train.lock, held while the
+    run trains: a second train.py into the folder is refused in one line. The OS drops the lock when
+    its process ends, however it ends (SIGKILL included), so a killed run leaves no lock that
+    holds; the file it leaves is taken over. Without fcntl (Windows) there is no lock."""
+    if fcntl is None:
+        yield
+        return
+    path, created = os.path.join(out_dir, LOCK), not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held
+            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise NanorouteError(f"{out_dir} is being trained by {holder} ({path}): one run folder "
+                                 "has one writer; wait for that run to end or stop it, or choose "
+                                 "another --out_dir")
+        try:  # the file locked is still the one at path (its holder may have just removed it)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    try:
+        yield
+    finally:
+        try:
+            os.remove(path)
+            if created:  # a run refused before it wrote anything leaves no empty folder
+                os.rmdir(out_dir)
+        except OSError:  # not empty: the run's files
+            pass
+        os.close(fd)
 
 
 def differences(saved, cfg):
@@ -405,7 +462,13 @@ def write_atomic(path, text):
 
 def train(cfg, module, mode="new", given=None):
     """mode: "new" (refused where out_dir holds a run), "resume" or "overwrite" (removes the old run
-    first); given: the fields the user set (parse), for --init_from."""
+    first); given: the fields the user set (parse), for --init_from. The run folder's lock is held
+    until this returns (the stack releases it)."""
+    with contextlib.ExitStack() as stack:
+        return train_run(cfg, module, mode, given, stack)
+
+
+def train_run(cfg, module, mode, given, stack):
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     device = common.pick_device(cfg.device)
@@ -432,6 +495,9 @@ def train(cfg, module, mode="new", given=None):
     if cfg.compile and refused:
         raise NanorouteError(f"--compile is refused for --model {cfg.model} on {device.type}: "
                              f"{refused}")
+    if master:  # before the folder is read or written: what is in it may be another run's doing
+        check_writable(cfg.out_dir)
+        stack.enter_context(run_lock(cfg.out_dir))
     ckpt = check_out_dir(cfg, mode, world) if master or mode == "resume" else None
     train_data, val_data = (common.load_split(cfg.dataset, split, cfg.data_dir)
                             for split in ("train", "val"))

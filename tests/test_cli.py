@@ -326,6 +326,36 @@ def test_ctrl_c_stops_with_the_resume_command(runs, tmp_path):
     assert not [f for f in os.listdir(tmp_path / "run") if f.endswith(".tmp")]
 
 
+def test_one_run_folder_one_writer_and_a_killed_run_leaves_no_lock(runs, tmp_path):
+    """A second train.py into a folder a live run trains into is one line and writes nothing; once
+    the first is killed (SIGKILL: no code of its own runs), the next --resume takes the folder."""
+    out = tmp_path / "run"
+    argv = flags(runs / "data", out, "--max_iters=100000", "--eval_interval=5")
+    first = subprocess.Popen([sys.executable, "train.py", *map(str, argv)], cwd=ROOT, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for _ in range(1200):  # until the first checkpoint is there
+            if (out / "ckpt.pt").exists():
+                break
+            time.sleep(0.1)
+        log = (out / "metrics.jsonl").read_text()
+        step = common.load_checkpoint(str(out / "ckpt.pt"))["iter"]
+        second = cli(*argv[:-2], f"--max_iters={step + 1}", "--eval_interval=5", "--resume")
+        assert first.poll() is None, "the first run ended before the second was tried"
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+        assert second.stderr.startswith(f"error: {out} is being trained by pid {first.pid} on ")
+        assert (out / "metrics.jsonl").read_text().startswith(log)  # not rewritten by the second
+    finally:
+        first.kill()
+        first.wait()
+    assert (out / train.LOCK).exists()  # what SIGKILL leaves: a file no process holds
+    step = common.load_checkpoint(str(out / "ckpt.pt"))["iter"]
+    train.main(flags(runs / "data", out, "--resume", f"--max_iters={step + 1}", "--eval_interval=5"))
+    assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == step + 1
+    assert not (out / train.LOCK).exists()
+
+
 def test_torchrun_resume_of_a_one_process_run_is_refused(runs, tmp_path):
     out = copy_run(runs, tmp_path)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
