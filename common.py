@@ -514,11 +514,15 @@ def sample_next(logits, temperature=1.0, top_k=None):
     top_k largest logits; temperature 0 is greedy."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
+    # shifted so the largest is 0 first: a tiny temperature then sends the others to -inf, the
+    # greedy limit, where logits / temperature alone would overflow to inf and softmax give NaN;
+    # in fp64, where every positive temperature a flag can hold is > 0 (in fp32 1e-300 is 0)
+    logits = logits.double()
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))  # (B, k)
         logits[logits < v[:, [-1]]] = -float("inf")
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+    return torch.multinomial(F.softmax(logits, dim=-1).float(), num_samples=1)
 
 
 class Model(LM):

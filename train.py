@@ -75,11 +75,18 @@ GROUPS = {"run": ("model", "preset", "resume", "overwrite", "out_dir", "init_fro
                            "weight_decay", "beta1", "beta2", "grad_clip")}
 
 
+# flags that name a file or folder: a leading ~ is the user's home, as a shell would make it
+PATHS = ("out_dir", "data_dir", "init_from", "sample")
+
+
 def parse_value(name, typ, text):
-    """A flag's text -> typ; a bare --name (text None) is True for a bool, a one-line error for the
-    rest."""
+    """Rule: a flag's value is the value the user wrote, or a one-line refusal. Its text -> typ; a
+    bare --name (text None, as in `--lam --seed 3`) is True for a bool, a refusal for the rest; a
+    path's ~ is expanded (PATHS)."""
     if text is None and typ is not bool:
         raise NanorouteError(f"--{name} needs a value")
+    if name in PATHS:
+        return os.path.expanduser(text)
     if typ is bool:
         if text is None or text.lower() in ("1", "true", "yes", "on"):
             return True
@@ -278,6 +285,9 @@ def out_dir_of(cfg):
 def resolve(cfg, meta):
     """Fill what the data decides: vocabulary, and for copy/sort the record length."""
     changes = {"vocab_size": meta["vocab_size"], "out_dir": out_dir_of(cfg)}
+    if cfg.vocab_size != meta["vocab_size"]:
+        print(f"note: vocab_size {cfg.vocab_size} -> {meta['vocab_size']}, {cfg.dataset}'s "
+              "vocabulary (the data decides it)")
     if "record_len" in meta and cfg.block_size != meta["record_len"] - 1:
         changes["block_size"] = meta["record_len"] - 1
         print(f"note: {cfg.dataset} trains on whole records: "

@@ -147,6 +147,10 @@ TRAIN_CASES = {
     "empty val.bin": (["--data_dir={data}"], lambda r, t, m: damage(t / "data" / "shakespeare" / "val.bin", 0),
                       "val.bin has 0 bytes"),
     "stray word": (["gpt"], None, "unexpected argument 'gpt'"),
+    "no value before a flag": (["--model=tsa", "--n_layer=2", "--lam", "--seed", "3"], None,
+                               "--lam needs a value"),
+    "dtrnet with no D layer": (["--model=dtrnet", "--n_layer=2"], None,
+                               "layers='bilayer' at n_layer=2 gives 'TT', no D (routed) layer"),
 }
 
 
@@ -263,6 +267,18 @@ def test_init_from_a_run_says_what_came_from_it_and_refuses_a_given_value(runs, 
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("from --init_from")]
     assert lines == [f"from --init_from {ckpt}: vocab_size=65, block_size=16, n_layer=1, n_head=2, "
                      "n_embd=16, bias=false, gelu=none; the rest from this run's flags and defaults"]
+
+
+def test_a_path_with_a_tilde_is_under_home_and_a_replaced_vocab_size_is_said(runs, tmp_path, monkeypatch,
+                                                                            capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    train.main(flags(runs / "data", "~/run", "--max_iters=1", "--vocab_size=100"))
+    assert (tmp_path / "run" / "ckpt.pt").exists() and not (tmp_path / "cwd" / "~").exists()
+    assert "note: vocab_size 100 -> 65, shakespeare's vocabulary" in capsys.readouterr().out
+    train.main(["--sample=~/run", "--num_tokens=3", "--temperature=1e-300", "--device=cpu"])
+    assert "sample:" in capsys.readouterr().out
 
 
 def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):

@@ -853,6 +853,17 @@ def test_sampling_top_k_keeps_exactly_the_k_largest(monkeypatch, k):
     assert torch.allclose(probs, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_sampling_at_a_vanishing_temperature_is_the_greedy_limit(temperature):
+    """logits / τ alone overflows to inf (softmax: NaN, torch.multinomial refuses it); τ → 0 is
+    greedy, ties shared."""
+    logits = torch.tensor([[0.1, 0.9, 0.3], [2.0, -1.0, 1.9], [1.0, 1.0, -3.0]])
+    torch.manual_seed(0)
+    picks = torch.cat([common.sample_next(logits, temperature) for _ in range(50)], 1)
+    assert (picks[:2] == torch.tensor([[1], [0]])).all()
+    assert set(picks[2].tolist()) == {0, 1}
+
+
 def test_sampling_at_temperature_zero_is_greedy(monkeypatch):
     monkeypatch.setattr(torch, "multinomial", lambda *a, **kw: pytest.fail("sampled at τ = 0"))
     logits = torch.tensor([[0.1, 0.9, 0.3], [2.0, -1.0, 1.9]])
