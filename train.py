@@ -746,47 +746,82 @@ def gpt2_folder(init_from, data_dir=common.DATA_DIR, files=HF_FILES):
     base = (os.environ.get("NANOROUTE_HF_URL") or HF_URL).rstrip("/") + f"/{init_from}/resolve/main"
     for f in files:
         dest = os.path.join(folder, f)
-        if os.path.exists(dest):
-            continue
-        os.makedirs(folder, exist_ok=True)
-        common.download(f"{base}/{f}", dest,  # a user needs both files, in one folder
-                 hint=f"download {' and '.join(HF_FILES)} from {base}/ into {folder}/")
+        if not os.path.exists(dest):
+            os.makedirs(folder, exist_ok=True)
+            common.download(f"{base}/{f}", dest,  # a user needs both files, in one folder
+                            hint=f"download {' and '.join(HF_FILES)} from {base}/ into {folder}/")
+        try:  # a file that is not what it claims (a proxy's HTML page) does not stay cached
+            gpt2_config(folder) if f == "config.json" else safetensors_header(dest)
+        except NanorouteError as e:
+            os.remove(dest)
+            why = str(e).removesuffix("; delete it and download it again")
+            raise NanorouteError(f"{why}; removed it from the cache: the next run downloads it "
+                                 "again")
     return folder
 
 
+# A Hugging Face GPT-2 config.json: each field that changes the function our blocks compute, with
+# the type it must have; a value unlike GPT-2's is refused (gpt2_config).
+HF_SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
+HF_TYPES = {"model_type": str, "activation_function": str, "n_inner": (int, type(None)),
+            "layer_norm_epsilon": (float, int), "scale_attn_weights": bool,
+            "scale_attn_by_inverse_layer_idx": bool, "reorder_and_upcast_attn": bool,
+            "tie_word_embeddings": bool, "add_cross_attention": bool, "n_ctx": int,
+            "architectures": list, **{k: int for k in HF_SIZES}}
+
+
 def gpt2_config(folder):
-    """A Hugging Face GPT-2's config.json -> our architecture fields. A variant our blocks do not
-    compute (another activation, norm ε, FFN width, attention scale, an untied head) is refused."""
+    """Rule: a file read from outside is validated before use. A Hugging Face GPT-2's config.json
+    -> our architecture fields: a JSON object whose sizes are positive ints and whose every field
+    in HF_TYPES has its type; a variant our blocks do not compute (another activation, norm ε, FFN
+    width, attention scale, an untied head) is refused."""
     path = os.path.join(folder, "config.json")
     gelus = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF's names
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             c = json.load(f)
-        arch = dict(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
-                    n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
-                    gelu=gelus.get(c.get("activation_function", "gelu_new"), "?"))
-        unlike = [(c.get("model_type") != "gpt2", f"model_type {c.get('model_type')!r}"),
-                  (arch["gelu"] == "?", f"activation_function {c.get('activation_function')!r}"),
-                  (c.get("n_inner") not in (None, 4 * arch["n_embd"]),
-                   f"n_inner {c.get('n_inner')}"),
-                  (c.get("layer_norm_epsilon", 1e-5) != 1e-5,
-                   f"layer_norm_epsilon {c.get('layer_norm_epsilon')}"),
-                  (not c.get("scale_attn_weights", True)
-                   or c.get("scale_attn_by_inverse_layer_idx"),
-                   "another attention scale"),
-                  (not c.get("tie_word_embeddings", True), "an untied head"),
-                  (c.get("add_cross_attention"), "cross-attention")]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError) as e:
         raise NanorouteError(f"{path} is not a GPT-2 config ({type(e).__name__}: {e})")
+    if not isinstance(c, dict):
+        raise NanorouteError(f"{path} is not a GPT-2 config (a JSON {type(c).__name__}, not an "
+                             "object)")
+    for k, typ in HF_TYPES.items():
+        v = c.get(k)
+        if (k in HF_SIZES or v is not None) and (not isinstance(v, typ) or
+                                                 isinstance(v, bool) and typ is not bool):
+            raise NanorouteError(f"{path}: {k} is {v!r}, not {getattr(typ, '__name__', 'int')}: "
+                                 "not a GPT-2 config")
+    small = [k for k in HF_SIZES if c[k] < 1]
+    if small:
+        raise NanorouteError(f"{path}: {small[0]} is {c[small[0]]}, not a size: not a GPT-2 config")
+    arch = dict(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
+                n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
+                gelu=gelus.get(c.get("activation_function", "gelu_new"), "?"))
+    unlike = [(c.get("model_type") != "gpt2", f"model_type {c.get('model_type')!r}"),
+              (arch["gelu"] == "?", f"activation_function {c.get('activation_function')!r}"),
+              (c.get("n_inner") not in (None, 4 * arch["n_embd"]), f"n_inner {c.get('n_inner')}"),
+              (c.get("layer_norm_epsilon", 1e-5) != 1e-5,
+               f"layer_norm_epsilon {c.get('layer_norm_epsilon')}"),
+              (not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx"),
+               "another attention scale"),
+              (not c.get("tie_word_embeddings", True), "an untied head"),
+              (c.get("add_cross_attention"), "cross-attention"),
+              (c.get("n_ctx", c["n_positions"]) != c["n_positions"],
+               f"n_ctx {c.get('n_ctx')} unlike n_positions {c['n_positions']}"),
+              (not set(c.get("architectures") or ["GPT2LMHeadModel"])
+               <= {"GPT2LMHeadModel", "GPT2Model"}, f"architectures {c.get('architectures')}")]
     for differs, what in unlike:
         if differs:
             raise NanorouteError(f"{path}: {what} is not GPT-2's (what nanoroute's blocks compute)")
     return arch
 
 
-def read_safetensors(path):
-    """A .safetensors file -> {name: tensor}. The format: 8 bytes (a little-endian u64) giving the
-    header's length, a JSON header {name: {dtype, shape, data_offsets: [begin, end)}}, raw data."""
+def safetensors_header(path):
+    """Rule: a file read from outside is validated before use. A .safetensors file's header: 8
+    bytes (a little-endian u64) giving its length, then JSON {name: {dtype, shape, data_offsets:
+    [begin, end)}}, then the raw data. -> (data start, {name: (numpy dtype, torch dtype, shape,
+    begin)}), once every tensor is known to lie within the file, to fill its range exactly, and
+    to overlap no other."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -794,19 +829,38 @@ def read_safetensors(path):
             if not 2 <= n <= size - 8:
                 raise ValueError(f"header length {n} in a file of {size} bytes")
             header = json.loads(f.read(n))
-        out = {}
+        if not isinstance(header, dict):
+            raise ValueError("the header is no JSON object")
+        out, spans = {}, []
         for name, t in header.items():
             if name == "__metadata__":
                 continue
             np_dtype, dtype = SAFETENSORS_DTYPES[t["dtype"]]
-            (a, b), count = t["data_offsets"], math.prod(t["shape"])
-            if b - a != count * np.dtype(np_dtype).itemsize or not 0 <= a <= b <= size - 8 - n:
-                raise ValueError(f"{name}: data_offsets {[a, b]} do not hold shape {t['shape']}")
-            arr = np.fromfile(path, dtype=np_dtype, count=count, offset=8 + n + a)
-            out[name] = torch.from_numpy(arr).view(dtype).reshape(t["shape"])
+            (a, b), shape = t["data_offsets"], t["shape"]
+            if not all(type(v) is int and v >= 0 for v in (a, b, *shape)):
+                raise ValueError(f"{name}: data_offsets {t['data_offsets']} or shape {shape} are "
+                                 "not counts")
+            nbytes = math.prod(shape) * np.dtype(np_dtype).itemsize
+            if b - a != nbytes or not a <= b <= size - 8 - n:
+                raise ValueError(f"{name}: data_offsets {[a, b]} do not hold shape {shape}")
+            out[name] = (np_dtype, dtype, shape, 8 + n + a)
+            spans.append((a, b, name))
+        spans.sort()
+        for (_, b0, first), (a1, _, second) in zip(spans, spans[1:]):
+            if a1 < b0:
+                raise ValueError(f"{first} and {second} overlap")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise NanorouteError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e});"
                              " delete it and download it again")
+    return out
+
+
+def read_safetensors(path):
+    """A .safetensors file -> {name: tensor}, its header checked first (safetensors_header)."""
+    out = {}
+    for name, (np_dtype, dtype, shape, begin) in safetensors_header(path).items():
+        arr = np.fromfile(path, dtype=np_dtype, count=math.prod(shape), offset=begin)
+        out[name] = torch.from_numpy(arr).view(dtype).reshape(shape)
     return out
 
 
