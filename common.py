@@ -260,11 +260,46 @@ def load_meta(name, data_dir=DATA_DIR):
     path = os.path.join(data_dir, name, "meta.json")
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (OSError, ValueError) as e:
         raise NanorouteError(f"{path} is missing or corrupt ({type(e).__name__}): delete it if "
                              f"it is there and run train.py --dataset {name} to prepare the data "
                              "again")
+    problem = meta_problem(meta, name)
+    if problem:
+        raise NanorouteError(f"{path} {problem}: it is not what prepare() writes for {name}; "
+                             f"delete it and run train.py --dataset {name} to prepare the data "
+                             "again")
+    return meta
+
+
+def meta_problem(meta, name):
+    """Rule: a file read from outside is validated before use. What is wrong with a dataset's
+    meta.json (None: nothing): the dataset it names, its vocabulary, its split sizes and the keys
+    decoding and sampling need. The token ids in its splits are checked by load_split."""
+    count = lambda v: type(v) is int and v >= 0  # noqa: E731
+    if not isinstance(meta, dict):
+        return f"is a JSON {type(meta).__name__}, not an object"
+    if meta.get("dataset") != name:
+        return f"names the dataset {meta.get('dataset')!r}"
+    V = meta.get("vocab_size")
+    if not (count(V) and 1 <= V <= 1 << 16):  # the splits are uint16
+        return f"has vocab_size {V!r}"
+    bad = [k for k, v in meta.items() if k.endswith("_tokens") and not count(v)]
+    missing = [k for k in ("train_tokens", "val_tokens") if k not in meta]
+    if bad or missing:
+        return f"has {bad[0]} {meta[bad[0]]!r}" if bad else f"has no {missing[0]}"
+    itos = meta.get("itos")
+    needs = {"shakespeare": (isinstance(itos, list) and len(itos) == V
+                             and all(isinstance(c, str) and len(c) == 1 for c in itos),
+                             f"an itos of {V} characters"),
+             "shakespeare_bpe": (meta.get("encoding") == "r50k_base" and V == 50257,
+                                 "encoding r50k_base and vocab_size 50257"),
+             "enwik8": (V == 256, "vocab_size 256 (bytes)"),
+             "copy": (meta.get("record_len") == 2 * TASK_LEN + 3 and V == TASK_VOCAB + 3,
+                      f"record_len {2 * TASK_LEN + 3} and vocab_size {TASK_VOCAB + 3}")}
+    ok, what = needs.get(name, needs["copy"])
+    return None if ok else f"lacks {what}"
 
 
 def load_split(name, split, data_dir=DATA_DIR):
@@ -272,14 +307,22 @@ def load_split(name, split, data_dir=DATA_DIR):
     copy, a full disk or an odd byte count would train on other data than the one prepared)."""
     path = os.path.join(data_dir, name, f"{split}.bin")
     meta_path = os.path.join(data_dir, name, "meta.json")
-    want = load_meta(name, data_dir).get(f"{split}_tokens")
+    meta = load_meta(name, data_dir)
+    want = meta.get(f"{split}_tokens")
     have = os.path.getsize(path) if os.path.isfile(path) else None
     if have is None or want is None or have != 2 * want or want < 2:
         found = "is missing" if have is None else f"has {have:,} bytes"
         expect = f"{want:,} uint16 tokens" if want is not None else f"no {split} split"
         raise NanorouteError(f"{path} {found}, but {meta_path} says {expect}: the preparation is "
                              f"damaged; delete {meta_path} and run again to re-prepare")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    vocab = meta["vocab_size"]
+    top = int(data.max())  # one pass over the file: what an embedding lookup would fail on later
+    if top >= vocab:
+        raise NanorouteError(f"{path} holds token id {top}, beyond {meta_path}'s vocab_size "
+                             f"{vocab}: the preparation is damaged; delete {meta_path} and run "
+                             "again to re-prepare")
+    return data
 
 
 def atomic_write(path, write):

@@ -399,7 +399,10 @@ EXPERIMENT_CASES = {
     "compare.py": [(["--runs=gpt-L5"], "unknown gpt-L5; choose from gpt-L6"), (["--seeds=one"], "got 'one'"),
                    (["--table-only", "--quick", "--out={tmp}"], "no records in"), (["--jobs=0"], ">= 1")],
     "bench_report.py": [(["{tmp}/none.json"], "none.json: No such file"), ([], "required: json"),
-                        (["{empty}"], "not a bench.py --json file"), (["{norows}"], "no rows to tabulate")],
+                        (["{empty}"], "not a bench.py --json file"), (["{norows}"], "no rows to tabulate"),
+                        (["{badrow}"], "row 2 is not a bench.py row (no B, T, dtype)"),
+                        (["{listrows}"], "row 1 is not a bench.py row (not an object)"),
+                        (["{results}"], "not a bench.py --json file (TypeError: rows is a dict)")],
 }
 if not torch.cuda.is_available():
     EXPERIMENT_CASES["devices.py"].append((["--device=cuda"], "device 'cuda' is not available here"))
@@ -410,8 +413,15 @@ if not torch.cuda.is_available():
 def test_experiments(script, argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "norows.json").write_text('{"rows": []}')
+    timed = {"suite": "tsa", "what": "forward", "B": 1, "T": 8, "device": "cpu", "dtype": "fp32", "speedup": 1.0}
+    files = {"badrow": {"rows": [timed, {"suite": "tsa", "what": "forward", "device": "cpu", "speedup": 2.0}]},
+             "listrows": {"rows": [[1, 2]]}, "results": {"rows": {"tsa": 1.0}}}
+    for name, content in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
     argv = [a.replace("{tmp}", str(tmp_path)).replace("{empty}", str(tmp_path / "empty.jsonl"))
             .replace("{norows}", str(tmp_path / "norows.json")) for a in argv]
+    for name in files:
+        argv = [a.replace("{" + name + "}", str(tmp_path / f"{name}.json")) for a in argv]
     monkeypatch.setattr(sys, "path", sys.path + [EXP])  # after the model files: experiments/tsa.py shadows nothing
     monkeypatch.setattr(sys, "argv", [script, *argv])
     assert message in one_error(capsys, lambda: runpy.run_path(os.path.join(EXP, script), run_name="__main__"))

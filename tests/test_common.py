@@ -512,6 +512,23 @@ def records(out_dir):
     return [{k: v for k, v in r.items() if k != "time"} for r in map(json.loads, open(out_dir / "metrics.jsonl"))]
 
 
+@pytest.mark.parametrize("edit,says", [
+    (lambda m: [], "is a JSON list, not an object"),
+    (lambda m: dict(m, dataset="enwik8"), "names the dataset 'enwik8'"),
+    (lambda m: dict(m, vocab_size="65"), "has vocab_size '65'"),
+    (lambda m: dict(m, val_tokens=-1), "has val_tokens -1"),
+    (lambda m: {k: v for k, v in m.items() if k != "itos"}, "lacks an itos of 65 characters"),
+    (lambda m: dict(m, itos=m["itos"][:40], vocab_size=40), "holds token id 64, beyond"),
+], ids=["list", "other dataset", "string vocab", "negative count", "no itos", "ids beyond vocab"])
+def test_a_datasets_meta_json_is_checked_before_use(data_dir, tmp_path, edit, says):
+    shutil.copytree(data_dir, tmp_path / "data")
+    common.prepare("shakespeare", str(tmp_path / "data"))
+    path = tmp_path / "data" / "shakespeare" / "meta.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    with pytest.raises(common.NanorouteError, match=f"{says}.*; delete "):
+        common.prepare("shakespeare", str(tmp_path / "data"))
+
+
 def test_killed_run_resumes_exactly(data_dir, tmp_path, monkeypatch):
     run([], data_dir, tmp_path / "a")
     real_lr_at = common.lr_at
