@@ -506,6 +506,10 @@ class LM(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel()  # nanoGPT's convention: position embeddings not counted
 
+    def decodes_cached(self, use_cache=True):
+        """Whether generate(use_cache=...) decodes with a cache: what a label of it must say."""
+        return use_cache and hasattr(self, "prefill")
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
                  compile=False):
@@ -516,7 +520,7 @@ class LM(nn.Module):
         on CUDA)."""
         was_training = self.training
         self.eval()
-        cached = use_cache and hasattr(self, "prefill")
+        cached = self.decodes_cached(use_cache)
         graphs = cached and compile and idx.device.type == "cuda"
         step = self.step
         if cached and compile:

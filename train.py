@@ -1109,6 +1109,9 @@ def sample_run(argv):
                              "(train one with python train.py --model ...)")
     if opts["num_tokens"] < 1 or opts["temperature"] < 0 or opts["top_k"] < 1:
         raise NanorouteError("--num_tokens and --top_k must be >= 1 and --temperature >= 0")
+    if opts["compile"] and opts["dense"]:  # what is printed is what ran: no step to compile
+        raise NanorouteError("--compile compiles the cached decoding step, and --dense decodes "
+                             "without one: give one of them")
     common.check_device_name(opts["device"])
     candidates = (os.path.join(run_dir, f) for f in ("best.pt", "ckpt.pt"))
     path = next((p for p in candidates if os.path.exists(p)), None)
@@ -1145,6 +1148,9 @@ def sample_run(argv):
     if not ids:
         raise NanorouteError(f"--prompt is empty; a {cfg.dataset} prompt needs at least one token "
                              "(e.g. '[BOS] 3 1')")
+    if len(ids) > cfg.block_size:  # what is printed is what ran: the model sees its context
+        print(f"note: the prompt's {len(ids)} tokens are more than the model's context "
+              f"(block_size {cfg.block_size}): it continues from the last {cfg.block_size}")
     idx = torch.tensor(ids[-cfg.block_size:], dtype=torch.long, device=device)[None]  # (1, T0)
     torch.manual_seed(opts["seed"])
     t = time.perf_counter()
@@ -1153,7 +1159,7 @@ def sample_run(argv):
                              use_cache=not opts["dense"], compile=opts["compile"])
     common.sync(device)
     dt = time.perf_counter() - t
-    cache_free = opts["dense"] or not hasattr(model, "prefill")
+    cache_free = not model.decodes_cached(not opts["dense"])  # what generate ran, not the flag
     how = ("cache-free forward of the whole window per token" if cache_free
            else "KV-cached decoding" + (", routed" if hasattr(model, "routing_map") else "")
            + (", compiled step (includes compile time)" if opts["compile"] else ""))

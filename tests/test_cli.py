@@ -177,6 +177,7 @@ SAMPLE_CASES = {
     "meta device": (["--device=meta"], "got 'meta'"),
     "zero tokens": (["--num_tokens=0"], "--num_tokens and --top_k must be >= 1"),
     "copy prompt not numbers": (["--prompt=hello"], "a copy prompt is space-separated numbers"),
+    "compile and dense": (["--compile", "--dense"], "--compile compiles the cached decoding step, and --dense"),
 }
 
 
@@ -196,6 +197,14 @@ def test_sample_copy_task_without_a_prompt_completes_a_held_out_record(runs, cap
     assert "no --prompt: completing the first held-out record's source '[BOS]" in out
     sample = out.split("sample:\n")[1].split()
     assert sample[0] == "[BOS]" and sample[11] == "[SEP]" and len(sample) == 2 * common.TASK_LEN + 3
+
+
+def test_a_sample_cropped_to_the_context_says_so(runs, capsys):
+    train.main(["--sample", str(runs / "gpt"), "--prompt=" + "ROMEO: " * 4, "--num_tokens=2", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert "note: the prompt's 28 tokens are more than the model's context (block_size 16): it continues " \
+           "from the last 16" in out
+    assert "KV-cached decoding" in out and out.split("sample:\n")[1].startswith(("ROMEO: " * 4)[-16:])
 
 
 def test_sample_in_a_read_only_run_prints_the_sample_then_warns(runs, monkeypatch, capsys):
@@ -425,6 +434,17 @@ def test_experiments(script, argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "path", sys.path + [EXP])  # after the model files: experiments/tsa.py shadows nothing
     monkeypatch.setattr(sys, "argv", [script, *argv])
     assert message in one_error(capsys, lambda: runpy.run_path(os.path.join(EXP, script), run_name="__main__"))
+
+
+def test_bench_filters_that_match_nothing_and_checkpoint_rows_say_so(runs, capsys):
+    import bench
+    assert "matches no measurement of the gpu suite (names like: decode quick tsa," in one_error(
+        capsys, lambda: bench.main(["gpu", "--quick", "--only=decode quick tsx", "--device=cpu"]))
+    assert "--only picks among the gpu suite's measurements; bench.py gpt would ignore it" in one_error(
+        capsys, lambda: bench.main(["gpt", "--quick", "--only=decode", "--device=cpu"]))
+    rows = bench.main(["gpt", "--quick", "--ckpt", str(runs / "gpt" / "ckpt.pt"), "--device=cpu", "--repeats=1"])
+    timed = [r for r in rows if r["what"] != "graphs"]
+    assert timed and {r["size"] for r in timed} == {f"{runs / 'gpt' / 'ckpt.pt'}: 1 x 16, T = 16"}
 
 
 @pytest.mark.parametrize("script", sorted(EXPERIMENT_CASES))

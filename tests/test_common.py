@@ -918,6 +918,21 @@ def test_gpt_prefill_and_step_equal_the_full_forward(dev):
     torch.testing.assert_close(steps, full, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("name,flags", [(n, []) for n in TINY] + [("conddepth", ["--mode=topk"])])
+def test_decodes_cached_says_what_generate_runs(name, flags, monkeypatch):
+    """The label `train.py --sample` prints ("KV-cached decoding" or "cache-free") comes from
+    decodes_cached: it must be true exactly when generate decodes through prefill/step."""
+    model, cfg = tiny_model(name, *flags)
+    model.eval()
+    for use_cache in (True, False):
+        calls = []
+        if hasattr(model, "prefill"):
+            real = model.prefill
+            monkeypatch.setattr(model, "prefill", lambda idx, real=real: calls.append(1) or real(idx))
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=0, use_cache=use_cache)
+        assert bool(calls) == model.decodes_cached(use_cache), (name, flags, use_cache)
+
+
 def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):
     model = sharp(common.Model(tiny(block_size=8))).to(dev.device).eval()
     prompt = torch.randint(0, 50, (2, 3), device=dev.device)
