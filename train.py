@@ -478,9 +478,50 @@ def train(cfg, module, mode="new", given=None):
         return train_run(cfg, module, mode, given, stack)
 
 
+def ddp_env():
+    """(under torchrun, rank, world size), from the variables torchrun sets. A RANK without the
+    others (a leftover of another job's environment) is one line, on its one process."""
+    if "RANK" not in os.environ:
+        return False, 0, 1
+    missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+               if k not in os.environ]
+    if missing:
+        raise NanorouteError(f"RANK={os.environ['RANK']} is set but not {', '.join(missing)}: "
+                             "a leftover of another job? unset RANK, or start the run with "
+                             "torchrun")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise NanorouteError(f"RANK={os.environ['RANK']!r} and WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']!r} must be numbers (torchrun sets them)")
+    if not 0 <= rank < world:
+        raise NanorouteError(f"RANK={rank} is not in 0..WORLD_SIZE-1={world - 1}")
+    return True, rank, world
+
+
+def on_rank0(check, ddp, master):
+    """Rule: every rank checks what rank 0 checks. check() runs on rank 0 alone (it writes: data,
+    the run folder); its verdict is broadcast, so a refusal ends every rank with the same
+    NanorouteError (printed once, by rank 0) instead of leaving the others at a barrier."""
+    verdict, out = None, None
+    if master:
+        try:
+            out = check()
+        except NanorouteError as e:
+            verdict = str(e)
+        except OSError as e:
+            verdict = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+    if ddp:
+        box = [verdict]
+        torch.distributed.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if verdict is not None:
+        raise NanorouteError(verdict)
+    return out
+
+
 def train_run(cfg, module, mode, given, stack):
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    ddp, rank, world = ddp_env()
     device = common.pick_device(cfg.device)
     if ddp:
         if device.type == "cuda":
@@ -490,9 +531,8 @@ def train_run(cfg, module, mode, given, stack):
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
 
-    meta = common.prepare(cfg.dataset, cfg.data_dir) if master else None
+    meta = on_rank0(lambda: common.prepare(cfg.dataset, cfg.data_dir), ddp, master)
     if ddp:
-        torch.distributed.barrier()
         meta = common.load_meta(cfg.dataset, cfg.data_dir)
     init = None
     # another run's or GPT-2's weights, and their architecture (a resumed run has its own)
@@ -505,10 +545,13 @@ def train_run(cfg, module, mode, given, stack):
     if cfg.compile and refused:
         raise NanorouteError(f"--compile is refused for --model {cfg.model} on {device.type}: "
                              f"{refused}")
-    if master:  # before the folder is read or written: what is in it may be another run's doing
+    def claim():  # the lock before the folder is read: what is in it may be another run's doing
         check_writable(cfg.out_dir)
         stack.enter_context(run_lock(cfg.out_dir))
-    ckpt = check_out_dir(cfg, mode, world) if master or mode == "resume" else None
+        return check_out_dir(cfg, mode, world)
+    ckpt = on_rank0(claim, ddp, master)
+    if not master and mode == "resume":  # every rank restores its own state from the checkpoint
+        ckpt = check_out_dir(cfg, mode, world)
     train_data, val_data = (common.load_split(cfg.dataset, split, cfg.data_dir)
                             for split in ("train", "val"))
     ckpt_path, best_path, metrics_path = (os.path.join(cfg.out_dir, f)
@@ -660,11 +703,9 @@ def start_from(cfg, module, meta, master=True, ddp=False, given=None):
                              f"vocabulary of {meta['vocab_size']} "
                              f"{meta.get('unit', 'token')}s: use --dataset shakespeare_bpe")
 
-    def fetch(files):  # rank 0 downloads, the others wait for its files
-        folder = gpt2_folder(src, cfg.data_dir, files if master else ())
-        if ddp:
-            torch.distributed.barrier()
-        return folder
+    def fetch(files):  # rank 0 downloads, the others wait for its files (or its refusal)
+        on_rank0(lambda: gpt2_folder(src, cfg.data_dir, files), ddp, master)
+        return gpt2_folder(src, cfg.data_dir, ())
 
     if gpt2:
         arch, ckpt = gpt2_config(fetch(HF_FILES[:1])), None  # config.json: small
@@ -1204,7 +1245,10 @@ def resume_line(argv, cfg):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    master, cfg = os.environ.get("RANK", "0") == "0", None
+    try:
+        master, cfg = ddp_env()[1] == 0, None
+    except NanorouteError:  # the one process says so (train refuses it again below)
+        master, cfg = True, None
     wants_help = "-h" in argv or "--help" in argv
     try:
         sample = any(a == "--sample" or a.startswith("--sample=") for a in argv)
@@ -1216,7 +1260,8 @@ def main(argv=None):
             sys.stdout.flush()  # a reader gone (head, a pager) shows here, not at the exit's flush
             return None
         if sample:
-            sample_run(argv)
+            if master:  # under torchrun, one sample: rank 0's
+                sample_run(argv)
             sys.stdout.flush()
             return None
         cfg, module, mode, given = parse(argv)

@@ -147,6 +147,9 @@ TRAIN_CASES = {
     "empty val.bin": (["--data_dir={data}"], lambda r, t, m: damage(t / "data" / "shakespeare" / "val.bin", 0),
                       "val.bin has 0 bytes"),
     "stray word": (["gpt"], None, "unexpected argument 'gpt'"),
+    "a leftover RANK": ([], lambda r, t, m: [m.delenv(k, raising=False) for k in (
+        "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")] and m.setenv("RANK", "1"),
+        "RANK=1 is set but not WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK: a leftover"),
     "no value before a flag": (["--model=tsa", "--n_layer=2", "--lam", "--seed", "3"], None,
                                "--lam needs a value"),
     "dtrnet with no D layer": (["--model=dtrnet", "--n_layer=2"], None,
@@ -379,6 +382,23 @@ def test_one_run_folder_one_writer_and_a_killed_run_leaves_no_lock(runs, tmp_pat
     train.main(flags(runs / "data", out, "--resume", f"--max_iters={step + 1}", "--eval_interval=5"))
     assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == step + 1
     assert not (out / train.LOCK).exists()
+
+
+def torchrun(*argv):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train.py", *map(str, argv)], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_torchrun_a_refusal_of_rank_0_ends_every_rank_and_a_sample_prints_once(runs, tmp_path):
+    """Rank 0 alone checks the run folder; its verdict ends rank 1 too with exit 2 (not killed by
+    torchrun at a barrier it waited at), one error line in all. --sample: one sample, rank 0's."""
+    out = copy_run(runs, tmp_path)
+    p = torchrun(*flags(runs / "data", out, "--max_iters=2"))
+    assert p.stderr.count("error: ") == 1 and f"error: {out} holds a run" in p.stderr
+    assert p.stderr.count("exitcode  : 2") == 2, p.stderr  # both ranks, each by its own refusal
+    p = torchrun("--sample", out, "--num_tokens=3", "--device=cpu")
+    assert p.returncode == 0 and p.stdout.count("sample:\n") == 1, p.stdout + p.stderr
 
 
 def test_torchrun_resume_of_a_one_process_run_is_refused(runs, tmp_path):
