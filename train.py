@@ -572,6 +572,9 @@ def train_run(cfg, module, mode, given, stack):
                         k.split(".")[0] for k in missing})  # routers, gates, cheap FFNs
         log(f"init from {cfg.init_from}: {len(missing)} new tensors ({', '.join(fresh) or 'none'})")
     optimizer = common.make_optimizer(model, cfg, device)
+    raw_model = model
+    if cfg.compile:  # before anything is written into out_dir
+        model = compile_checked(raw_model, cfg, train_data, meta, device)
     start, best_val = 0, float("inf")
     if ckpt is not None:
         try:
@@ -600,9 +603,6 @@ def train_run(cfg, module, mode, given, stack):
     if master:
         write_atomic(os.path.join(cfg.out_dir, "config.json"),
                      json.dumps(dataclasses.asdict(cfg), indent=1))
-    raw_model = model
-    if cfg.compile:
-        model = torch.compile(model)
     if ddp:
         device_ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
@@ -679,6 +679,46 @@ def train_run(cfg, module, mode, given, stack):
         log(f"done in {_duration(time.time() - t0)}; best val loss {best_val:.4f}")
         summary(raw_model, cfg, meta, val_data, device, metrics_path)
     return best_val
+
+
+def compile_checked(model, cfg, data, meta, device):
+    """Rule: --compile failing at compile time (no C++ compiler, an op the compiler cannot take)
+    is one line naming the cause and --compile=false, before anything is written into out_dir.
+    torch.compile compiles at the first call: here one training forward and backward on a batch,
+    whose traces are undone (RNG states, buffers, gradients), so the run is the one it would be
+    without this call. -> the compiled model."""
+    compiled = torch.compile(model)
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    x, y = common.get_batch(data, meta, cfg.batch_size, cfg.block_size,
+                            np.random.default_rng([cfg.seed, 0, 0, 0]), device)
+    try:
+        with common.autocast(device):
+            loss = compiled(x, y)[1]
+        loss.backward()
+    except Exception as e:
+        chain = [e]  # the compiler's own exceptions wrap the cause (BackendCompilerFailed)
+        while len(chain) < 20 and (getattr(chain[-1], "inner_exception", None)
+                                   or chain[-1].__cause__ or chain[-1].__context__):
+            nxt = chain[-1]
+            chain.append(getattr(nxt, "inner_exception", None) or nxt.__cause__ or nxt.__context__)
+        if not any(type(c).__module__.startswith(("torch._dynamo", "torch._inductor"))
+                   for c in chain):
+            raise  # not the compiler's: the model's own error, as eager would raise it
+        why = (str(chain[-1]).strip().splitlines() or [""])[0][:200]
+        raise NanorouteError(f"--compile failed compiling the training step "
+                             f"({type(chain[-1]).__name__}: {why}); train without it: "
+                             "--compile=false")
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+    return compiled
 
 
 def start_from(cfg, module, meta, master=True, ddp=False, given=None):

@@ -293,6 +293,21 @@ def test_a_path_with_a_tilde_is_under_home_and_a_replaced_vocab_size_is_said(run
     assert "sample:" in capsys.readouterr().out
 
 
+def test_compile_failing_at_compile_time_is_one_line_before_anything_is_written(runs, tmp_path, monkeypatch,
+                                                                              capsys):
+    """A compiler that cannot build (no C++ compiler here): one line with the cause and --compile=false, and no
+    run in the folder, so the same command with --compile=false starts without --overwrite."""
+    import functools
+
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("Compiler: cc is not found")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=no_compiler))
+    err = one_error(capsys, lambda: train.main(flags(runs / "data", tmp_path / "run", "--compile")))
+    assert "--compile failed compiling the training step (RuntimeError: Compiler: cc is not found); " \
+           "train without it: --compile=false" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):
     d = tmp_path / "data" / "shakespeare"
     d.mkdir(parents=True)
