@@ -786,6 +786,10 @@ def load_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # an empty file raises EOFError with no message
+        if "Weights only load failed" in str(e):  # pickled objects: loading them could run code
+            raise NanorouteError(f"checkpoint {path} is not weights-only: it holds pickled "
+                                 "objects, whose loading can run any code, so it is refused "
+                                 "(nanoroute's checkpoints hold tensors and plain values)")
         why = (str(e).splitlines() or [""])[0][:120]
         raise NanorouteError(f"checkpoint {path} is corrupt or not a nanoroute checkpoint "
                              f"({type(e).__name__}{': ' + why if why else ''})")

@@ -319,11 +319,34 @@ def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):
     assert json.load(open(d / "meta.json"))["val_tokens"] == 111540
 
 
-def test_overwrite_replaces_the_old_run(runs, tmp_path):
+def test_overwrite_replaces_the_old_run_and_removes_only_what_it_lists(runs, tmp_path):
     out = copy_run(runs, tmp_path)
     (out / "routing.html").write_text("old")
+    (out / "notes.txt").write_text("mine")  # a user's file in the run folder
+    (out / "best.pt.tmp").write_text("partial")
     train.main(flags(runs / "data", out, "--overwrite", "--max_iters=2"))
     assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == 2 and not (out / "routing.html").exists()
+    assert (out / "notes.txt").read_text() == "mine" and not (out / "best.pt.tmp").exists()
+    assert set(os.listdir(out)) <= {"notes.txt", *train.OUTPUTS}
+
+
+class RunsCode:
+    """What a pickled checkpoint can do when loaded without weights_only: call any function."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_is_not_weights_only_is_refused_unrun(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": {}, "config": {"model": "gpt"}, "x": RunsCode(str(tmp_path / "ran"))}, run / "best.pt")
+    err = one_error(capsys, lambda: train.main(["--sample", str(run)]))
+    assert f"checkpoint {run / 'best.pt'} is not weights-only: it holds pickled objects" in err
+    assert not (tmp_path / "ran").exists()
 
 
 # ----------------------------------------------------------------------------------------------------
