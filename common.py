@@ -91,6 +91,8 @@ class Config:
             for name in names:
                 if getattr(self, name) < low:
                     raise NanorouteError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.seed >= 2 ** 63:  # torch's seeds are 64-bit; each rank adds its index
+            raise NanorouteError(f"seed must be < 2**63, got {self.seed}")
         if self.n_embd % self.n_head:
             raise NanorouteError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if not self.learning_rate > 0:
@@ -786,11 +788,12 @@ def load_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # an empty file raises EOFError with no message
-        if "Weights only load failed" in str(e):  # pickled objects: loading them could run code
+        if "Unsupported global" in str(e):  # pickled objects: loading them could run code
             raise NanorouteError(f"checkpoint {path} is not weights-only: it holds pickled "
                                  "objects, whose loading can run any code, so it is refused "
                                  "(nanoroute's checkpoints hold tensors and plain values)")
-        why = (str(e).splitlines() or [""])[0][:120]
+        # not torch's advice to load it with weights_only=False
+        why = "" if "weights_only" in str(e) else (str(e).splitlines() or [""])[0][:120]
         raise NanorouteError(f"checkpoint {path} is corrupt or not a nanoroute checkpoint "
                              f"({type(e).__name__}{': ' + why if why else ''})")
     if not (isinstance(ckpt, dict) and "model" in ckpt and isinstance(ckpt.get("config"), dict)):

@@ -351,10 +351,15 @@ def check_writable(out):
 
 
 def check_out_dir(cfg, mode, world):
-    """Refuse, before any work, an out_dir that cannot be written or that holds a run a new one
-    would replace. With --resume, return its checkpoint once it is known to fit this run."""
+    """Refuse, before any work, an out_dir that cannot be written, that lies in the prepared data
+    or that holds a run a new one would replace. With --resume, return its checkpoint once it is
+    known to fit this run."""
     out = cfg.out_dir
     check_writable(out)
+    data = os.path.realpath(cfg.data_dir)
+    if os.path.commonpath([data, os.path.realpath(out)]) == data:
+        raise NanorouteError(f"--out_dir {out} is inside --data_dir {cfg.data_dir}, the prepared "
+                             "data: choose another --out_dir")
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if mode == "new" and held:
         raise NanorouteError(f"{out} holds a run ({', '.join(held)}): continue it with --resume, "
@@ -731,6 +736,8 @@ def start_from(cfg, module, meta, master=True, ddp=False, given=None):
     src, gpt2 = cfg.init_from, is_hf_gpt2(cfg.init_from)
     if gpt2 and os.path.isfile(os.path.join(src, "ckpt.pt")):
         raise NanorouteError(f"--init_from {src} is a run: pass {os.path.join(src, 'ckpt.pt')}")
+    if gpt2 and src not in GPT2_NAMES:  # a folder: what it lacks first (nothing is downloaded)
+        gpt2_folder(src, cfg.data_dir, HF_FILES)
     if gpt2 and cfg.model == "hybrid":
         raise NanorouteError("--model hybrid cannot start from GPT-2: its Gated DeltaNet layers "
                              "have no GPT-2 weights, and GPT-2 with random mixers in place of its "
@@ -1188,6 +1195,8 @@ def sample_run(argv):
     if not os.path.isdir(run_dir):
         raise NanorouteError(f"--sample {run_dir}: no such run directory "
                              "(train one with python train.py --model ...)")
+    if not 0 <= opts["seed"] < 2 ** 63:  # torch's seeds are 64-bit
+        raise NanorouteError(f"--seed must be in 0..2**63-1, got {opts['seed']}")
     if opts["num_tokens"] < 1 or opts["temperature"] < 0 or opts["top_k"] < 1:
         raise NanorouteError("--num_tokens and --top_k must be >= 1 and --temperature >= 0")
     if opts["compile"] and opts["dense"]:  # what is printed is what ran: no step to compile

@@ -147,6 +147,13 @@ TRAIN_CASES = {
     "empty val.bin": (["--data_dir={data}"], lambda r, t, m: damage(t / "data" / "shakespeare" / "val.bin", 0),
                       "val.bin has 0 bytes"),
     "stray word": (["gpt"], None, "unexpected argument 'gpt'"),
+    "a seed torch cannot take": (["--seed=99999999999999999999999"], None, "seed must be < 2**63, got 9999"),
+    "out_dir inside the data": ([], lambda r, t, m: t / "data" / "shakespeare",
+                                "is inside --data_dir {data}, the prepared data: choose another --out_dir"),
+    "init_from a folder of nothing": (["--init_from={data}"], None,
+                                      "no config.json or model.safetensors there (a Hugging Face GPT-2"),
+    "init_from a log": (["--init_from={data}/shakespeare/meta.json"], None,
+                        "meta.json is corrupt or not a nanoroute checkpoint (UnpicklingError)"),
     "a leftover RANK": ([], lambda r, t, m: [m.delenv(k, raising=False) for k in (
         "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")] and m.setenv("RANK", "1"),
         "RANK=1 is set but not WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK: a leftover"),
@@ -165,8 +172,10 @@ def test_train_py(case, runs, tmp_path, monkeypatch, capsys):
     before = {f: (out / f).read_bytes() for f in train.RUN_FILES if os.path.isfile(os.path.join(out, f))}
     extra = [a.replace("{data}", str(tmp_path / "data")) for a in extra]
     capsys.readouterr()
-    err = one_error(capsys, lambda: train.main(flags(runs / "data", out, *extra)))
-    assert message.replace("{out}", str(out)) in err
+    data = tmp_path / "data" if case == "out_dir inside the data" else runs / "data"
+    err = one_error(capsys, lambda: train.main(flags(data, out, *extra)))
+    assert message.replace("{out}", str(out)).replace("{data}", str(data)) in err
+    assert "weights_only=False" not in err  # torch's advice to run a file's code is not ours
     assert {f: (out / f).read_bytes() for f in before} == before  # a refusal writes nothing
     assert not [f for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]  # nor leaves partial files
 
@@ -180,6 +189,7 @@ SAMPLE_CASES = {
     "meta device": (["--device=meta"], "got 'meta'"),
     "zero tokens": (["--num_tokens=0"], "--num_tokens and --top_k must be >= 1"),
     "copy prompt not numbers": (["--prompt=hello"], "a copy prompt is space-separated numbers"),
+    "a seed torch cannot take": (["--seed=18446744073709551616"], "--seed must be in 0..2**63-1"),
     "compile and dense": (["--compile", "--dense"], "--compile compiles the cached decoding step, and --dense"),
 }
 
