@@ -515,6 +515,27 @@ def test_bench_filters_that_match_nothing_and_checkpoint_rows_say_so(runs, capsy
     assert timed and {r["size"] for r in timed} == {f"{runs / 'gpt' / 'ckpt.pt'}: 1 x 16, T = 16"}
 
 
+def test_a_study_handed_runs_of_another_kind_says_so(runs, tmp_path, monkeypatch, capsys):
+    """A folder of finished runs of another model (or other names) handed to a study's table: one line
+    naming the run and what the study expects, not a table of the wrong runs or a traceback."""
+    monkeypatch.setattr(sys, "path", sys.path + [EXP])
+
+    def table(script, out):
+        monkeypatch.setattr(sys, "argv", [script, "table", f"--out={out}"])
+        return one_error(capsys, lambda: runpy.run_path(os.path.join(EXP, script), run_name="__main__"))
+    study = tmp_path / "study"
+    shutil.copytree(runs / "tsa", study / "bilayer_s1")
+    (study / "bilayer_s1" / "done").write_text("")
+    assert f"{study / 'bilayer_s1'} is a --model tsa run; this study's runs are dtrnet, gpt" in table(
+        "dtrnet.py", study)
+    assert "is a --model tsa run; this study's runs are hybrid: pass the --out" in table("hybrid.py", study)
+    shutil.rmtree(study)
+    shutil.copytree(runs / "gpt", study / "gpt-run")
+    (study / "gpt-run" / "done").write_text("")
+    assert f"{study / 'gpt-run'} is not one of this study's runs (bilayer, dense, skip, trilayer" in table(
+        "dtrnet.py", study)
+
+
 @pytest.mark.parametrize("script", sorted(EXPERIMENT_CASES))
 def test_experiments_help(script, monkeypatch, capsys):
     monkeypatch.setattr(sys, "path", sys.path + [EXP])
