@@ -686,6 +686,21 @@ def train_run(cfg, module, mode, given, stack):
     return best_val
 
 
+def compile_failure(e, what, fix):
+    """An exception raised while compiling `what` -> the NanorouteError naming its root cause and
+    the fix, or None where it is not the compiler's (the model's own error, as eager raises it)."""
+    chain = [e]  # the compiler's own exceptions wrap the cause (BackendCompilerFailed)
+    while len(chain) < 20 and (getattr(chain[-1], "inner_exception", None)
+                               or chain[-1].__cause__ or chain[-1].__context__):
+        last = chain[-1]
+        chain.append(getattr(last, "inner_exception", None) or last.__cause__ or last.__context__)
+    if not any(type(c).__module__.startswith(("torch._dynamo", "torch._inductor")) for c in chain):
+        return None
+    why = (str(chain[-1]).strip().splitlines() or [""])[0][:200]
+    return NanorouteError(f"--compile failed compiling {what} ({type(chain[-1]).__name__}: {why});"
+                          f" run without it: {fix}")
+
+
 def compile_checked(model, cfg, data, meta, device):
     """Rule: --compile failing at compile time (no C++ compiler, an op the compiler cannot take)
     is one line naming the cause and --compile=false, before anything is written into out_dir.
@@ -703,18 +718,7 @@ def compile_checked(model, cfg, data, meta, device):
             loss = compiled(x, y)[1]
         loss.backward()
     except Exception as e:
-        chain = [e]  # the compiler's own exceptions wrap the cause (BackendCompilerFailed)
-        while len(chain) < 20 and (getattr(chain[-1], "inner_exception", None)
-                                   or chain[-1].__cause__ or chain[-1].__context__):
-            nxt = chain[-1]
-            chain.append(getattr(nxt, "inner_exception", None) or nxt.__cause__ or nxt.__context__)
-        if not any(type(c).__module__.startswith(("torch._dynamo", "torch._inductor"))
-                   for c in chain):
-            raise  # not the compiler's: the model's own error, as eager would raise it
-        why = (str(chain[-1]).strip().splitlines() or [""])[0][:200]
-        raise NanorouteError(f"--compile failed compiling the training step "
-                             f"({type(chain[-1]).__name__}: {why}); train without it: "
-                             "--compile=false")
+        raise compile_failure(e, "the training step", "--compile=false") or e
     finally:
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -1244,9 +1248,12 @@ def sample_run(argv):
     idx = torch.tensor(ids[-cfg.block_size:], dtype=torch.long, device=device)[None]  # (1, T0)
     torch.manual_seed(opts["seed"])
     t = time.perf_counter()
-    with common.autocast(device):
-        out = model.generate(idx, opts["num_tokens"], opts["temperature"], opts["top_k"],
-                             use_cache=not opts["dense"], compile=opts["compile"])
+    try:
+        with common.autocast(device):
+            out = model.generate(idx, opts["num_tokens"], opts["temperature"], opts["top_k"],
+                                 use_cache=not opts["dense"], compile=opts["compile"])
+    except Exception as e:
+        raise compile_failure(e, "the decoding step", "leave out --compile") or e
     common.sync(device)
     dt = time.perf_counter() - t
     cache_free = not model.decodes_cached(not opts["dense"])  # what generate ran, not the flag

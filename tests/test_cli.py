@@ -314,8 +314,11 @@ def test_compile_failing_at_compile_time_is_one_line_before_anything_is_written(
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=no_compiler))
     err = one_error(capsys, lambda: train.main(flags(runs / "data", tmp_path / "run", "--compile")))
     assert "--compile failed compiling the training step (RuntimeError: Compiler: cc is not found); " \
-           "train without it: --compile=false" in err
+           "run without it: --compile=false" in err
     assert not (tmp_path / "run").exists()
+    err = one_error(capsys, lambda: train.main(["--sample", str(runs / "gpt"), "--compile", "--num_tokens=3"]))
+    assert "--compile failed compiling the decoding step (RuntimeError: Compiler: cc is not found); " \
+           "run without it: leave out --compile" in err
 
 
 def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):
