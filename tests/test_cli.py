@@ -468,7 +468,9 @@ def test_torchrun_resume_of_a_one_process_run_is_refused(runs, tmp_path):
 EXP = os.path.join(ROOT, "experiments")
 EXPERIMENT_CASES = {
     "tsa.py": [(["table"], "table needs a records file"), (["table", "{tmp}/none.jsonl"], "No such file"),
-               (["table", "{empty}"], "no records in"), (["proxy-table", "{tmp}/none"], "no finished runs in"),
+               (["table", "{empty}"], "no records in"),
+               (["table", "{metrics}"], "metrics.json line 1 is not an `eval` record (no model)"),
+               (["table", "{tsarec}"], "tsarec.json line 1 is not an `eval` record (no soft_loss, alpha"), (["proxy-table", "{tmp}/none"], "no finished runs in"),
                (["curve-table", "{tmp}"], "no finished runs in"), (["proxy"], "proxy needs --seed"),
                (["curve", "--seeds=one"], "expected comma-separated ints"), (["grid", "--lrs=fast"], "floats"),
                (["proxy", "--seed=1", "--branches=hard"], "unknown hard"), (["nope"], "invalid choice")],
@@ -495,7 +497,9 @@ def test_experiments(script, argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "norows.json").write_text('{"rows": []}')
     timed = {"suite": "tsa", "what": "forward", "B": 1, "T": 8, "device": "cpu", "dtype": "fp32", "speedup": 1.0}
     files = {"badrow": {"rows": [timed, {"suite": "tsa", "what": "forward", "device": "cpu", "speedup": 2.0}]},
-             "listrows": {"rows": [[1, 2]]}, "results": {"rows": {"tsa": 1.0}}}
+             "listrows": {"rows": [[1, 2]]}, "results": {"rows": {"tsa": 1.0}},
+             "metrics": {"kind": "eval", "step": 4, "val_loss": 4.2},
+             "tsarec": {"run": "out/tsa/lam0.01_s1", "model": "tsa", "variant": "tsa", "seed": 1, "lam": 0.01}}
     for name, content in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(content))
     argv = [a.replace("{tmp}", str(tmp_path)).replace("{empty}", str(tmp_path / "empty.jsonl"))
