@@ -170,7 +170,10 @@ def parse(argv):
     if resume:
         values = resumed_values(saved, saved_at, values, given)
     mode = "resume" if resume else "overwrite" if overwrite else "new"
-    return module.Config(**values), module, mode, given
+    try:
+        return module.Config(**values), module, mode, given
+    except NanorouteError as e:  # a value the saved file holds: name the file
+        raise NanorouteError(f"{e} ({saved_at}, with the flags given)") if resume else e
 
 
 def saved_config(out):

@@ -130,6 +130,8 @@ TRAIN_CASES = {
         copy_run(r, t), lr=0.5), "ckpt.pt has learning_rate=0.002 but this run asks for learning_rate=0.5"),
     "resume a config.json of nothing": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
         copy_run(r, t), model="mlp"), "config.json is not a nanoroute run's config"),
+    "resume a config.json with a string lr": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
+        copy_run(r, t), lr="0.002"), "learning_rate must be float, got '0.002' ({out}/config.json, with the flags"),
     "resume a best.pt copy": (["--resume", "--max_iters=9"], lambda r, t, m: shutil.copy(
         copy_run(r, t) / "best.pt", t / "gpt" / "ckpt.pt") and t / "gpt", "has no training state (optimizer"),
     "resume at max_iters": (["--resume"], lambda r, t, m: copy_run(r, t), "is at step 4 and --max_iters=4"),
