@@ -406,6 +406,15 @@ class PlainGPT(nn.Module):
         return logits, loss, {}
 
 
+def size_tag(args):
+    """A row's size: the checkpoint's model where --ckpt gave one (what is printed is what ran),
+    else the size's name."""
+    if args.model is None:
+        return args.size_name
+    c = args.model.cfg
+    return f"{args.ckpt}: {c.n_layer} x {c.n_embd}, T = {c.block_size}"
+
+
 def bench_gpt(args, device, rows, size, modes):
     rows += graph_rows("gpt", QUICK_GRAPH_SIZE if args.quick else None)
     torch.manual_seed(0)
@@ -419,11 +428,11 @@ def bench_gpt(args, device, rows, size, modes):
                           ("train_step", lambda m: train_step(m.train(), x, y, device))):
             o, p = (compiled(ours), compiled(plain)) if comp else (ours, plain)
             t = timeit({"ours": run(o), "plain": run(p)}, device, args.repeats)
-            rows.append({"suite": "gpt", "what": what, "size": args.size_name, "compiled": comp,
+            rows.append({"suite": "gpt", "what": what, "size": size_tag(args), "compiled": comp,
                          "B": B, "T": T, "ours_ms": 1e3 * t["ours"], "plain_ms": 1e3 * t["plain"],
                          "tokens_per_s": B * T / t["ours"],
                          "speed_ratio_ours_vs_plain": t["plain"] / t["ours"]})
-        tags = {"size": args.size_name}
+        tags = {"size": size_tag(args)}
         rows += decode_rows("gpt", ours.eval(), None, tags, device, (1, 8), comp)
 
 
@@ -439,7 +448,7 @@ def bench_routed(suite, args, device, rows, size, modes):
     else:
         routed, dense, share = models(suite, size, device)
         B, T = size["B"], size["T"]
-    tags = {"size": args.size_name, "share_set": share}
+    tags = {"size": size_tag(args), "share_set": share}
     x, y = batch(routed.cfg, B, T, device)
     for comp in modes:
         rows += forward_rows(suite, routed, dense, x, tags, device, args.repeats, comp,
@@ -487,10 +496,14 @@ def bench_gpu(args, device, rows):
     plan = [("decode", s, small) for s in ROUTERS] + [("train_step", s, small) for s in ROUTERS]
     plan += [("sparse_forward", s, big) for s in ROUTERS] + [("long", "dtrnet", big)]
     plan += [("train_step", s, big) for s in ROUTERS]
+    plan_names = [f"{what} {size} {s}" for what, s, size in plan]
     groups = [(f"{what} {size} {s}", lambda w=what, s=s, z=size: long_rows(
         z, device, args.repeats, (True,)) if w == "long" else run(w, s, z))
         for what, s, size in plan]
     groups = [g for g in groups if args.only in g[0]]
+    if not groups:  # a filter that matches nothing says so, before a run that measures nothing
+        raise common.NanorouteError(f"--only {args.only!r} matches no measurement of the gpu "
+                                    f"suite (names like: {', '.join(plan_names[:3])}, ...)")
     start, slowest = time.monotonic(), 0.0
     for i, (name, measure) in enumerate(groups):
         used = time.monotonic() - start
@@ -596,6 +609,9 @@ def main(argv=None):
             raise common.NanorouteError(f"--repeats must be >= 1, got {args.repeats}")
         if not args.budget > 0:
             raise common.NanorouteError(f"--budget must be > 0 seconds, got {args.budget}")
+        if args.only and args.suite != "gpu":
+            raise common.NanorouteError(f"--only picks among the gpu suite's measurements; "
+                                        f"bench.py {args.suite} would ignore it")
         args.model = check_ckpt(args.suite, args.ckpt) if args.ckpt else None
         device = common.pick_device(args.device)
         DTYPE = args.dtype or common.default_dtype(device)

@@ -92,6 +92,8 @@ class Config:
             for name in names:
                 if getattr(self, name) < low:
                     raise NanorouteError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.seed >= 2 ** 63:  # torch's seeds are 64-bit; each rank adds its index
+            raise NanorouteError(f"seed must be < 2**63, got {self.seed}")
         if self.n_embd % self.n_head:
             raise NanorouteError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if not self.learning_rate > 0:
@@ -286,11 +288,46 @@ def load_meta(name, data_dir=DATA_DIR):
     path = os.path.join(data_dir, name, "meta.json")
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (OSError, ValueError) as e:
         raise NanorouteError(f"{path} is missing or corrupt ({type(e).__name__}): delete it if "
                              f"it is there and run train.py --dataset {name} to prepare the data "
                              "again")
+    problem = meta_problem(meta, name)
+    if problem:
+        raise NanorouteError(f"{path} {problem}: it is not what prepare() writes for {name}; "
+                             f"delete it and run train.py --dataset {name} to prepare the data "
+                             "again")
+    return meta
+
+
+def meta_problem(meta, name):
+    """Rule: a file read from outside is validated before use. What is wrong with a dataset's
+    meta.json (None: nothing): the dataset it names, its vocabulary, its split sizes and the keys
+    decoding and sampling need. The token ids in its splits are checked by load_split."""
+    count = lambda v: type(v) is int and v >= 0  # noqa: E731
+    if not isinstance(meta, dict):
+        return f"is a JSON {type(meta).__name__}, not an object"
+    if meta.get("dataset") != name:
+        return f"names the dataset {meta.get('dataset')!r}"
+    V = meta.get("vocab_size")
+    if not (count(V) and 1 <= V <= 1 << 16):  # the splits are uint16
+        return f"has vocab_size {V!r}"
+    bad = [k for k, v in meta.items() if k.endswith("_tokens") and not count(v)]
+    missing = [k for k in ("train_tokens", "val_tokens") if k not in meta]
+    if bad or missing:
+        return f"has {bad[0]} {meta[bad[0]]!r}" if bad else f"has no {missing[0]}"
+    itos = meta.get("itos")
+    needs = {"shakespeare": (isinstance(itos, list) and len(itos) == V
+                             and all(isinstance(c, str) and len(c) == 1 for c in itos),
+                             f"an itos of {V} characters"),
+             "shakespeare_bpe": (meta.get("encoding") == "r50k_base" and V == 50257,
+                                 "encoding r50k_base and vocab_size 50257"),
+             "enwik8": (V == 256, "vocab_size 256 (bytes)"),
+             "copy": (meta.get("record_len") == 2 * TASK_LEN + 3 and V == TASK_VOCAB + 3,
+                      f"record_len {2 * TASK_LEN + 3} and vocab_size {TASK_VOCAB + 3}")}
+    ok, what = needs.get(name, needs["copy"])
+    return None if ok else f"lacks {what}"
 
 
 def load_split(name, split, data_dir=DATA_DIR):
@@ -300,14 +337,22 @@ def load_split(name, split, data_dir=DATA_DIR):
         return load_shards(split, data_dir)
     path = os.path.join(data_dir, name, f"{split}.bin")
     meta_path = os.path.join(data_dir, name, "meta.json")
-    want = load_meta(name, data_dir).get(f"{split}_tokens")
+    meta = load_meta(name, data_dir)
+    want = meta.get(f"{split}_tokens")
     have = os.path.getsize(path) if os.path.isfile(path) else None
     if have is None or want is None or have != 2 * want or want < 2:
         found = "is missing" if have is None else f"has {have:,} bytes"
         expect = f"{want:,} uint16 tokens" if want is not None else f"no {split} split"
         raise NanorouteError(f"{path} {found}, but {meta_path} says {expect}: the preparation is "
                              f"damaged; delete {meta_path} and run again to re-prepare")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    vocab = meta["vocab_size"]
+    top = int(data.max())  # one pass over the file: what an embedding lookup would fail on later
+    if top >= vocab:
+        raise NanorouteError(f"{path} holds token id {top}, beyond {meta_path}'s vocab_size "
+                             f"{vocab}: the preparation is damaged; delete {meta_path} and run "
+                             "again to re-prepare")
+    return data
 
 
 def atomic_write(path, write):
@@ -602,6 +647,10 @@ class LM(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel()  # nanoGPT's convention: position embeddings not counted
 
+    def decodes_cached(self, use_cache=True):
+        """Whether generate(use_cache=...) decodes with a cache: what a label of it must say."""
+        return use_cache and hasattr(self, "prefill")
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
                  compile=False):
@@ -612,7 +661,7 @@ class LM(nn.Module):
         on CUDA)."""
         was_training = self.training
         self.eval()
-        cached = use_cache and hasattr(self, "prefill")
+        cached = self.decodes_cached(use_cache)
         graphs = cached and compile and idx.device.type == "cuda"
         step = self.step
         if cached and compile:
@@ -653,11 +702,15 @@ def sample_next(logits, temperature=1.0, top_k=None):
     top_k largest logits; temperature 0 is greedy."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
+    # shifted so the largest is 0 first: a tiny temperature then sends the others to -inf, the
+    # greedy limit, where logits / temperature alone would overflow to inf and softmax give NaN;
+    # in fp64, where every positive temperature a flag can hold is > 0 (in fp32 1e-300 is 0)
+    logits = logits.double()
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))  # (B, k)
         logits[logits < v[:, [-1]]] = -float("inf")
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+    return torch.multinomial(F.softmax(logits, dim=-1).float(), num_samples=1)
 
 
 class Model(LM):
@@ -959,7 +1012,12 @@ def load_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # an empty file raises EOFError with no message
-        why = (str(e).splitlines() or [""])[0][:120]
+        if "Unsupported global" in str(e):  # pickled objects: loading them could run code
+            raise NanorouteError(f"checkpoint {path} is not weights-only: it holds pickled "
+                                 "objects, whose loading can run any code, so it is refused "
+                                 "(nanoroute's checkpoints hold tensors and plain values)")
+        # not torch's advice to load it with weights_only=False
+        why = "" if "weights_only" in str(e) else (str(e).splitlines() or [""])[0][:120]
         raise NanorouteError(f"checkpoint {path} is corrupt or not a nanoroute checkpoint "
                              f"({type(e).__name__}{': ' + why if why else ''})")
     if not (isinstance(ckpt, dict) and "model" in ckpt and isinstance(ckpt.get("config"), dict)):

@@ -320,9 +320,9 @@ class Model(common.LM):
 
     prefill = step  # prefill(idx): no state yet
 
-    def generate(self, *args, use_cache=True, **kw):
-        """common.LM.generate; mode="topk" has no causal cache: it recomputes the window."""
-        return super().generate(*args, use_cache=use_cache and self.mode == "causal", **kw)
+    def decodes_cached(self, use_cache=True):
+        """mode="topk" has no causal cache: generate recomputes the window."""
+        return super().decodes_cached(use_cache) and self.mode == "causal"
 
 
 # Losses: eq. (19) and its terms; the oracle's labels (eqs. 15–16)

@@ -75,7 +75,10 @@ class Config(common.Config):
 
     def __post_init__(self):
         super().__post_init__()
-        layer_pattern(self.layers, self.n_layer)
+        if "D" not in layer_pattern(self.layers, self.n_layer):  # T only: a dense GPT
+            raise NanorouteError(f"layers={self.layers!r} at n_layer={self.n_layer} gives "
+                                 f"{self.pattern!r}, no D (routed) layer: nothing is routed; "
+                                 "use --model gpt, or n_layer >= 3")
         if self.variant not in VARIANTS:
             raise NanorouteError(f"variant={self.variant!r}: choose one of {', '.join(VARIANTS)}")
         if self.norm not in NORMS:

@@ -14,10 +14,12 @@ Every Config field is a flag (--key=value or --key value); the model file's Conf
 and its PRESETS dict the named presets. Order: defaults < preset < flags. Each eval writes one JSON
 line to out/<run>/metrics.jsonl and an atomic checkpoint (ckpt.pt: the latest, for --resume;
 best.pt: the weights with the best val loss); --resume continues exactly where the last one left
-off. The run ends with a summary: hard (what inference runs) vs soft loss, vs a dense GPT of the
-same preset in out/, work really skipped per layer, sparse vs dense speed measured on the spot, the
-routing picture, and a sample.
+off, with the run's saved values (its config.json: a flag that differs is refused). The run ends
+with a summary: hard (what inference runs) vs soft loss, vs a dense GPT of the same preset in
+out/, work really skipped per layer, sparse vs dense speed measured on the spot, the routing
+picture, and a sample.
 """
+import contextlib
 import dataclasses
 import html
 import importlib
@@ -27,12 +29,18 @@ import math
 import os
 import re
 import shlex
+import socket
 import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 import common
 from common import NanorouteError
@@ -42,11 +50,20 @@ MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "condd
 # an out_dir with one of these holds a run
 RUN_FILES = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")
 OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")  # what --overwrite removes
+# What a user may change when resuming a run; every other value is the run's saved one (a flag that
+# differs is refused): how long it trains and how often it looks (max_iters, eval_interval,
+# log_interval), where it runs (device, compile: the same computation) and where its files are
+# now (out_dir, data_dir: a run or its data may move). eval_iters is not among them: every val
+# loss in a run's log (and so best.pt) is measured on the same batches.
+MAY_CHANGE = ("max_iters", "eval_interval", "log_interval", "device", "compile", "out_dir",
+              "data_dir")
 FLAGS = {  # the flags that are not Config fields: default, one line of help
     "model": ("gpt", "the model: " + ", ".join(MODELS)),
     "dataset": ("shakespeare", "the data: " + ", ".join(common.DATASETS)),
     "preset": ("", "named settings of the model (listed below); defaults < preset < flags"),
-    "resume": (False, "continue the run in out_dir from its ckpt.pt (same model, data and sizes)"),
+    "resume": (False, "continue the run in out_dir from its ckpt.pt with the values in its "
+               "config.json: a flag that differs is refused, but --"
+               + ", --".join(MAY_CHANGE) + " may change"),
     "overwrite": (False, "start over in an out_dir that holds a run: first removes its "
                   + ", ".join(OUTPUTS)),
 }
@@ -58,11 +75,18 @@ GROUPS = {"run": ("model", "preset", "resume", "overwrite", "out_dir", "init_fro
                            "weight_decay", "beta1", "beta2", "grad_clip")}
 
 
+# flags that name a file or folder: a leading ~ is the user's home, as a shell would make it
+PATHS = ("out_dir", "data_dir", "init_from", "sample")
+
+
 def parse_value(name, typ, text):
-    """A flag's text -> typ; a bare --name (text None) is True for a bool, a one-line error for the
-    rest."""
+    """Rule: a flag's value is the value the user wrote, or a one-line refusal. Its text -> typ; a
+    bare --name (text None, as in `--lam --seed 3`) is True for a bool, a refusal for the rest; a
+    path's ~ is expanded (PATHS)."""
     if text is None and typ is not bool:
         raise NanorouteError(f"--{name} needs a value")
+    if name in PATHS:
+        return os.path.expanduser(text)
     if typ is bool:
         if text is None or text.lower() in ("1", "true", "yes", "on"):
             return True
@@ -104,33 +128,98 @@ def split_flags(argv, may_be_empty=()):
 
 
 def parse_args(argv):
-    """argv -> (Config, model module, mode: "new", "resume" or "overwrite"). Unknown keys and bad
-    values are one-line errors."""
+    """argv -> (Config, model module, mode: "new", "resume" or "overwrite")."""
+    return parse(argv)[:3]
+
+
+def parse(argv):
+    """argv -> (Config, model module, mode, given: {field: the flag that set it, e.g. '--lam' or
+    '--preset classroom'}). Unknown keys and bad values are one-line errors. With --resume the
+    Config is the run's saved one (resumed_values)."""
     opts = split_flags(argv)
-    name, module = model_module(opts.pop("model", "gpt"))
-    dataset = opts.pop("dataset", None) or "shakespeare"
-    if dataset not in common.DATASETS:
-        raise NanorouteError(f"unknown dataset {dataset!r}; "
-                             f"choose one of {', '.join(common.DATASETS)}")
+    explicit = set(opts)
     resume = parse_value("resume", bool, opts.pop("resume", "false"))
     overwrite = parse_value("overwrite", bool, opts.pop("overwrite", "false"))
     if resume and overwrite:
         raise NanorouteError("--resume continues the run in out_dir, --overwrite removes it: "
                              "give one of them")
+    saved, saved_at = {}, None
+    if resume:  # the run's model and dataset are the defaults of --model and --dataset
+        out = opts.get("out_dir") or os.path.join(
+            "out", f"{opts.get('model') or 'gpt'}-{opts.get('dataset') or 'shakespeare'}")
+        saved, saved_at = saved_config(parse_value("out_dir", str, out))
+    name, module = model_module(opts.pop("model", saved.get("model", "gpt")))
+    dataset = opts.pop("dataset", saved.get("dataset")) or "shakespeare"
+    if dataset not in common.DATASETS:
+        raise NanorouteError(f"unknown dataset {dataset!r}; "
+                             f"choose one of {', '.join(common.DATASETS)}")
     preset, presets = opts.pop("preset", None), getattr(module, "PRESETS", {})
     if preset is not None and preset not in presets:
         raise NanorouteError(f"unknown preset {preset!r} for --model {name}; choose one of "
                              f"{', '.join(presets) or '(none)'}")
     values = dict(presets[preset]) if preset is not None else {}  # defaults < preset < flags
+    given = {k: f"--preset {preset} (its {k})" for k in values}
     fields = {f.name: f for f in dataclasses.fields(module.Config)}
     for key, val in opts.items():
         if key not in fields or key in FLAGS:
             valid = list(FLAGS) + sorted(set(fields) - set(FLAGS))
             raise NanorouteError(f"unknown option --{key}; valid: --{', --'.join(valid)}")
-        values[key] = parse_value(key, fields[key].type, val)
+        values[key], given[key] = parse_value(key, fields[key].type, val), f"--{key}"
     values.update(model=name, dataset=dataset)
+    given.update({k: f"--{k}" for k in ("model", "dataset") if k in explicit})
+    if resume:
+        values = resumed_values(saved, saved_at, values, given)
     mode = "resume" if resume else "overwrite" if overwrite else "new"
-    return module.Config(**values), module, mode
+    try:
+        return module.Config(**values), module, mode, given
+    except NanorouteError as e:  # a value the saved file holds: name the file
+        raise NanorouteError(f"{e} ({saved_at}, with the flags given)") if resume else e
+
+
+def saved_config(out):
+    """--resume: (the config a run in out was trained with, the file it came from): its config.json,
+    or where that is gone, its ckpt.pt's copy. Checked to be a config of a known model."""
+    path, ckpt_path = os.path.join(out, "config.json"), os.path.join(out, "ckpt.pt")
+    if not os.path.exists(ckpt_path):
+        held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+        raise NanorouteError(f"--resume: no {ckpt_path} to resume from" + (
+            "; the run stopped before its first checkpoint: start it again with --overwrite"
+            if held else ""))
+    if not os.path.exists(path):
+        path, saved = ckpt_path, common.load_checkpoint(ckpt_path)["config"]
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise NanorouteError(f"{path} is not readable JSON ({type(e).__name__}): it holds the "
+                                 "run's flags; restore it, or delete it to use ckpt.pt's copy")
+    if not isinstance(saved, dict) or saved.get("model") not in MODELS:
+        raise NanorouteError(f"{path} is not a nanoroute run's config (no known model in it)")
+    known = {f.name for f in dataclasses.fields(model_module(saved["model"])[1].Config)}
+    odd = sorted(set(saved) - known)
+    if odd:
+        raise NanorouteError(f"{path} has fields --model {saved['model']} does not know "
+                             f"({', '.join(odd[:3])}): it was written by other code")
+    return saved, path
+
+
+def resumed_values(saved, saved_at, values, given):
+    """Rule of --resume: every value is the run's saved one; a flag (or a preset's setting) that
+    differs is refused, but for MAY_CHANGE."""
+    out = dict(saved)
+    first = sorted(values, key=lambda k: k not in ("model", "dataset"))  # the run's kind first
+    for k, v in ((k, values[k]) for k in first):
+        if k in MAY_CHANGE or k not in saved:  # not saved: a field newer than the run
+            out[k] = v
+        elif v != saved[k]:
+            raise NanorouteError(
+                f"--resume: {given.get(k, '--' + k)} asks for {k}={show(v)} but {saved_at} has "
+                f"{k}={show(saved[k])}; a resumed run keeps its values: drop {given.get(k)} "
+                f"(may change: --{', --'.join(MAY_CHANGE)})")
+    # the folder it was found in, wherever the run was first written
+    out["out_dir"] = values.get("out_dir", os.path.dirname(saved_at) or ".")
+    return out
 
 
 def model_module(name):
@@ -199,6 +288,9 @@ def out_dir_of(cfg):
 def resolve(cfg, meta):
     """Fill what the data decides: vocabulary, and for copy/sort the record length."""
     changes = {"vocab_size": meta["vocab_size"], "out_dir": out_dir_of(cfg)}
+    if cfg.vocab_size != meta["vocab_size"]:
+        print(f"note: vocab_size {cfg.vocab_size} -> {meta['vocab_size']}, {cfg.dataset}'s "
+              "vocabulary (the data decides it)")
     if "record_len" in meta and cfg.block_size != meta["record_len"] - 1:
         changes["block_size"] = meta["record_len"] - 1
         print(f"note: {cfg.dataset} trains on whole records: "
@@ -248,10 +340,9 @@ def check_fits(cfg, meta, module, device):
                              f"more than {where} ({limit / 2 ** 30:,.0f} GiB)")
 
 
-def check_out_dir(cfg, mode, world):
-    """Refuse, before any work, an out_dir that cannot be written or that holds a run a new one
-    would replace. With --resume, return its checkpoint once it is known to fit this run."""
-    out, parent = cfg.out_dir, cfg.out_dir
+def check_writable(out):
+    """Refuse an out_dir that cannot be made or written in."""
+    parent = out
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if parent and not os.path.isdir(parent):
@@ -260,6 +351,18 @@ def check_out_dir(cfg, mode, world):
         tempfile.TemporaryFile(dir=parent or ".").close()
     except OSError as e:
         raise NanorouteError(f"--out_dir {out}: cannot write in {parent or '.'} ({e.strerror})")
+
+
+def check_out_dir(cfg, mode, world):
+    """Refuse, before any work, an out_dir that cannot be written, that lies in the prepared data
+    or that holds a run a new one would replace. With --resume, return its checkpoint once it is
+    known to fit this run."""
+    out = cfg.out_dir
+    check_writable(out)
+    data = os.path.realpath(cfg.data_dir)
+    if os.path.commonpath([data, os.path.realpath(out)]) == data:
+        raise NanorouteError(f"--out_dir {out} is inside --data_dir {cfg.data_dir}, the prepared "
+                             "data: choose another --out_dir")
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if mode == "new" and held:
         raise NanorouteError(f"{out} holds a run ({', '.join(held)}): continue it with --resume, "
@@ -279,11 +382,11 @@ def check_out_dir(cfg, mode, world):
                              "best.pt?): --resume needs the ckpt.pt a run writes; to train on from "
                              f"its weights, start a new run with --init_from={path}")
     saved = ckpt["config"]
-    for k in ("model", "dataset", *common.ARCH_FIELDS):
-        if saved.get(k, getattr(cfg, k)) != getattr(cfg, k):
-            raise NanorouteError(f"checkpoint {path} has {k}={saved[k]} but this run asks for "
-                                 f"{k}={getattr(cfg, k)}; resume with the flags it was trained "
-                                 f"with ({os.path.join(out, 'config.json')})")
+    for k in (f.name for f in dataclasses.fields(cfg)):
+        if k not in MAY_CHANGE and saved.get(k, getattr(cfg, k)) != getattr(cfg, k):
+            raise NanorouteError(f"checkpoint {path} has {k}={show(saved[k])} but this run asks "
+                                 f"for {k}={show(getattr(cfg, k))}; resume with the values it was "
+                                 f"trained with ({os.path.join(out, 'config.json')})")
     n = len(ckpt["rng_cpu"])
     if n != world:
         how = "python train.py ..." if n == 1 else f"torchrun --nproc_per_node={n} train.py ..."
@@ -294,6 +397,50 @@ def check_out_dir(cfg, mode, world):
                              f"nothing left to train; give a --max_iters above {ckpt['iter']} "
                              "to train on")
     return ckpt
+
+
+LOCK = "train.lock"  # in a run folder while a process trains into it: its pid and host
+
+
+@contextlib.contextmanager
+def run_lock(out_dir):
+    """Rule: one run folder, one writer. An exclusive flock on out_dir/train.lock, held while the
+    run trains: a second train.py into the folder is refused in one line. The OS drops the lock when
+    its process ends, however it ends (SIGKILL included), so a killed run leaves no lock that
+    holds; the file it leaves is taken over. Without fcntl (Windows) there is no lock."""
+    if fcntl is None:
+        yield
+        return
+    path, created = os.path.join(out_dir, LOCK), not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held
+            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise NanorouteError(f"{out_dir} is being trained by {holder} ({path}): one run folder "
+                                 "has one writer; wait for that run to end or stop it, or choose "
+                                 "another --out_dir")
+        try:  # the file locked is still the one at path (its holder may have just removed it)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    try:
+        yield
+    finally:
+        try:
+            os.remove(path)
+            if created:  # a run refused before it wrote anything leaves no empty folder
+                os.rmdir(out_dir)
+        except OSError:  # not empty: the run's files
+            pass
+        os.close(fd)
 
 
 def differences(saved, cfg):
@@ -331,11 +478,58 @@ def write_atomic(path, text):
     common.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def train(cfg, module, mode="new"):
+def train(cfg, module, mode="new", given=None):
     """mode: "new" (refused where out_dir holds a run), "resume" or "overwrite" (removes the old run
-    first)."""
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    first); given: the fields the user set (parse), for --init_from. The run folder's lock is held
+    until this returns (the stack releases it)."""
+    with contextlib.ExitStack() as stack:
+        return train_run(cfg, module, mode, given, stack)
+
+
+def ddp_env():
+    """(under torchrun, rank, world size), from the variables torchrun sets. A RANK without the
+    others (a leftover of another job's environment) is one line, on its one process."""
+    if "RANK" not in os.environ:
+        return False, 0, 1
+    missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+               if k not in os.environ]
+    if missing:
+        raise NanorouteError(f"RANK={os.environ['RANK']} is set but not {', '.join(missing)}: "
+                             "a leftover of another job? unset RANK, or start the run with "
+                             "torchrun")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise NanorouteError(f"RANK={os.environ['RANK']!r} and WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']!r} must be numbers (torchrun sets them)")
+    if not 0 <= rank < world:
+        raise NanorouteError(f"RANK={rank} is not in 0..WORLD_SIZE-1={world - 1}")
+    return True, rank, world
+
+
+def on_rank0(check, ddp, master):
+    """Rule: every rank checks what rank 0 checks. check() runs on rank 0 alone (it writes: data,
+    the run folder); its verdict is broadcast, so a refusal ends every rank with the same
+    NanorouteError (printed once, by rank 0) instead of leaving the others at a barrier."""
+    verdict, out = None, None
+    if master:
+        try:
+            out = check()
+        except NanorouteError as e:
+            verdict = str(e)
+        except OSError as e:
+            verdict = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+    if ddp:
+        box = [verdict]
+        torch.distributed.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if verdict is not None:
+        raise NanorouteError(verdict)
+    return out
+
+
+def train_run(cfg, module, mode, given, stack):
+    ddp, rank, world = ddp_env()
     device = common.pick_device(cfg.device)
     if ddp:
         if device.type == "cuda":
@@ -345,13 +539,13 @@ def train(cfg, module, mode="new"):
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
 
-    meta = common.prepare(cfg.dataset, cfg.data_dir) if master else None
+    meta = on_rank0(lambda: common.prepare(cfg.dataset, cfg.data_dir), ddp, master)
     if ddp:
-        torch.distributed.barrier()
         meta = common.load_meta(cfg.dataset, cfg.data_dir)
     init = None
-    if cfg.init_from:  # another run's or GPT-2's weights, and their architecture
-        cfg, init = start_from(cfg, module, meta, master, ddp)
+    # another run's or GPT-2's weights, and their architecture (a resumed run has its own)
+    if cfg.init_from and mode != "resume":
+        cfg, init = start_from(cfg, module, meta, master, ddp, given)
     cfg = resolve(cfg, meta)
     check_fits(cfg, meta, module, device)
     # COMPILE_REFUSED: device type -> why compile is refused there
@@ -359,7 +553,13 @@ def train(cfg, module, mode="new"):
     if cfg.compile and refused:
         raise NanorouteError(f"--compile is refused for --model {cfg.model} on {device.type}: "
                              f"{refused}")
-    ckpt = check_out_dir(cfg, mode, world) if master or mode == "resume" else None
+    def claim():  # the lock before the folder is read: what is in it may be another run's doing
+        check_writable(cfg.out_dir)
+        stack.enter_context(run_lock(cfg.out_dir))
+        return check_out_dir(cfg, mode, world)
+    ckpt = on_rank0(claim, ddp, master)
+    if not master and mode == "resume":  # every rank restores its own state from the checkpoint
+        ckpt = check_out_dir(cfg, mode, world)
     train_data, val_data = (common.load_split(cfg.dataset, split, cfg.data_dir)
                             for split in ("train", "val"))
     ckpt_path, best_path, metrics_path = (os.path.join(cfg.out_dir, f)
@@ -380,6 +580,9 @@ def train(cfg, module, mode="new"):
                         k.split(".")[0] for k in missing})  # routers, gates, cheap FFNs
         log(f"init from {cfg.init_from}: {len(missing)} new tensors ({', '.join(fresh) or 'none'})")
     optimizer = common.make_optimizer(model, cfg, device)
+    raw_model = model
+    if cfg.compile:  # before anything is written into out_dir
+        model = compile_checked(raw_model, cfg, train_data, meta, device)
     start, best_val = 0, float("inf")
     if ckpt is not None:
         try:
@@ -408,9 +611,6 @@ def train(cfg, module, mode="new"):
     if master:
         write_atomic(os.path.join(cfg.out_dir, "config.json"),
                      json.dumps(dataclasses.asdict(cfg), indent=1))
-    raw_model = model
-    if cfg.compile:
-        model = torch.compile(model)
     if ddp:
         device_ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
@@ -489,14 +689,62 @@ def train(cfg, module, mode="new"):
     return best_val
 
 
-def start_from(cfg, module, meta, master=True, ddp=False):
+def compile_failure(e, what, fix):
+    """An exception raised while compiling `what` -> the NanorouteError naming its root cause and
+    the fix, or None where it is not the compiler's (the model's own error, as eager raises it)."""
+    chain = [e]  # the compiler's own exceptions wrap the cause (BackendCompilerFailed)
+    while len(chain) < 20 and (getattr(chain[-1], "inner_exception", None)
+                               or chain[-1].__cause__ or chain[-1].__context__):
+        last = chain[-1]
+        chain.append(getattr(last, "inner_exception", None) or last.__cause__ or last.__context__)
+    if not any(type(c).__module__.startswith(("torch._dynamo", "torch._inductor")) for c in chain):
+        return None
+    why = (str(chain[-1]).strip().splitlines() or [""])[0][:200]
+    return NanorouteError(f"--compile failed compiling {what} ({type(chain[-1]).__name__}: {why});"
+                          f" run without it: {fix}")
+
+
+def compile_checked(model, cfg, data, meta, device):
+    """Rule: --compile failing at compile time (no C++ compiler, an op the compiler cannot take)
+    is one line naming the cause and --compile=false, before anything is written into out_dir.
+    torch.compile compiles at the first call: here one training forward and backward on a batch,
+    whose traces are undone (RNG states, buffers, gradients), so the run is the one it would be
+    without this call. -> the compiled model."""
+    compiled = torch.compile(model)
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    x, y = common.get_batch(data, meta, cfg.batch_size, cfg.block_size,
+                            np.random.default_rng([cfg.seed, 0, 0, 0]), device)
+    try:
+        with common.autocast(device):
+            loss = compiled(x, y)[1]
+        loss.backward()
+    except Exception as e:
+        raise compile_failure(e, "the training step", "--compile=false") or e
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+    return compiled
+
+
+def start_from(cfg, module, meta, master=True, ddp=False, given=None):
     """--init_from -> (cfg with the checkpoint's architecture, its state dict). The checkpoint is
     another run's ckpt.pt, or a Hugging Face GPT-2: a Hub name (downloaded once into data/hf/NAME/)
-    or a folder holding config.json + model.safetensors. A flag that contradicts the checkpoint is
-    refused: a value other than the model's default (given, or set by a preset) was asked for."""
+    or a folder holding config.json + model.safetensors. The architecture is the checkpoint's: a
+    value given (a flag, or a preset's setting: given, see parse) that differs is refused, and one
+    line says which values came from the checkpoint. given=None: the values other than the
+    model's defaults count as given."""
     src, gpt2 = cfg.init_from, is_hf_gpt2(cfg.init_from)
     if gpt2 and os.path.isfile(os.path.join(src, "ckpt.pt")):
         raise NanorouteError(f"--init_from {src} is a run: pass {os.path.join(src, 'ckpt.pt')}")
+    if gpt2 and src not in GPT2_NAMES:  # a folder: what it lacks first (nothing is downloaded)
+        gpt2_folder(src, cfg.data_dir, HF_FILES)
     if gpt2 and cfg.model == "hybrid":
         raise NanorouteError("--model hybrid cannot start from GPT-2: its Gated DeltaNet layers "
                              "have no GPT-2 weights, and GPT-2 with random mixers in place of its "
@@ -509,11 +757,9 @@ def start_from(cfg, module, meta, master=True, ddp=False):
                              f"vocabulary of {meta['vocab_size']} "
                              f"{meta.get('unit', 'token')}s: use --dataset shakespeare_bpe")
 
-    def fetch(files):  # rank 0 downloads, the others wait for its files
-        folder = gpt2_folder(src, cfg.data_dir, files if master else ())
-        if ddp:
-            torch.distributed.barrier()
-        return folder
+    def fetch(files):  # rank 0 downloads, the others wait for its files (or its refusal)
+        on_rank0(lambda: gpt2_folder(src, cfg.data_dir, files), ddp, master)
+        return gpt2_folder(src, cfg.data_dir, ())
 
     if gpt2:
         arch, ckpt = gpt2_config(fetch(HF_FILES[:1])), None  # config.json: small
@@ -525,6 +771,8 @@ def start_from(cfg, module, meta, master=True, ddp=False):
                              f"--dataset {cfg.dataset} one of {meta['vocab_size']}: use the "
                              "dataset it learned")
     defaults = {f.name: f.default for f in dataclasses.fields(module.Config)}
+    if given is None:
+        given = {k: f"--{k}" for k, v in defaults.items() if getattr(cfg, k) != v}
     if gpt2:  # the run's block_size stays: GPT-2's positions may be cropped (as nanoGPT does)
         n_pos = arch.pop("block_size")
         if cfg.block_size > n_pos:
@@ -534,9 +782,12 @@ def start_from(cfg, module, meta, master=True, ddp=False):
             print(f"note: block_size {cfg.block_size} keeps the first {cfg.block_size} of {src}'s "
                   f"{n_pos} positions (--block_size={n_pos} for all of them)")
     for k, v in arch.items():
-        if k != "vocab_size" and getattr(cfg, k) not in (v, defaults[k]):
+        if k != "vocab_size" and k in given and getattr(cfg, k) != v:
             raise NanorouteError(f"--init_from {src} has {k}={v}, but this run asks for "
                                  f"{k}={getattr(cfg, k)}: drop --{k} (or the --preset setting it)")
+    if master:
+        print(f"from --init_from {src}: " + ", ".join(f"{k}={show(v)}" for k, v in arch.items())
+              + "; the rest from this run's flags and defaults")
     cfg = dataclasses.replace(cfg, **arch)
     if not gpt2:
         return cfg, ckpt["model"]
@@ -590,47 +841,82 @@ def gpt2_folder(init_from, data_dir=common.DATA_DIR, files=HF_FILES):
     base = (os.environ.get("NANOROUTE_HF_URL") or HF_URL).rstrip("/") + f"/{init_from}/resolve/main"
     for f in files:
         dest = os.path.join(folder, f)
-        if os.path.exists(dest):
-            continue
-        os.makedirs(folder, exist_ok=True)
-        common.download(f"{base}/{f}", dest,  # a user needs both files, in one folder
-                 hint=f"download {' and '.join(HF_FILES)} from {base}/ into {folder}/")
+        if not os.path.exists(dest):
+            os.makedirs(folder, exist_ok=True)
+            common.download(f"{base}/{f}", dest,  # a user needs both files, in one folder
+                            hint=f"download {' and '.join(HF_FILES)} from {base}/ into {folder}/")
+        try:  # a file that is not what it claims (a proxy's HTML page) does not stay cached
+            gpt2_config(folder) if f == "config.json" else safetensors_header(dest)
+        except NanorouteError as e:
+            os.remove(dest)
+            why = str(e).removesuffix("; delete it and download it again")
+            raise NanorouteError(f"{why}; removed it from the cache: the next run downloads it "
+                                 "again")
     return folder
 
 
+# A Hugging Face GPT-2 config.json: each field that changes the function our blocks compute, with
+# the type it must have; a value unlike GPT-2's is refused (gpt2_config).
+HF_SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
+HF_TYPES = {"model_type": str, "activation_function": str, "n_inner": (int, type(None)),
+            "layer_norm_epsilon": (float, int), "scale_attn_weights": bool,
+            "scale_attn_by_inverse_layer_idx": bool, "reorder_and_upcast_attn": bool,
+            "tie_word_embeddings": bool, "add_cross_attention": bool, "n_ctx": int,
+            "architectures": list, **{k: int for k in HF_SIZES}}
+
+
 def gpt2_config(folder):
-    """A Hugging Face GPT-2's config.json -> our architecture fields. A variant our blocks do not
-    compute (another activation, norm ε, FFN width, attention scale, an untied head) is refused."""
+    """Rule: a file read from outside is validated before use. A Hugging Face GPT-2's config.json
+    -> our architecture fields: a JSON object whose sizes are positive ints and whose every field
+    in HF_TYPES has its type; a variant our blocks do not compute (another activation, norm ε, FFN
+    width, attention scale, an untied head) is refused."""
     path = os.path.join(folder, "config.json")
     gelus = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF's names
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             c = json.load(f)
-        arch = dict(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
-                    n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
-                    gelu=gelus.get(c.get("activation_function", "gelu_new"), "?"))
-        unlike = [(c.get("model_type") != "gpt2", f"model_type {c.get('model_type')!r}"),
-                  (arch["gelu"] == "?", f"activation_function {c.get('activation_function')!r}"),
-                  (c.get("n_inner") not in (None, 4 * arch["n_embd"]),
-                   f"n_inner {c.get('n_inner')}"),
-                  (c.get("layer_norm_epsilon", 1e-5) != 1e-5,
-                   f"layer_norm_epsilon {c.get('layer_norm_epsilon')}"),
-                  (not c.get("scale_attn_weights", True)
-                   or c.get("scale_attn_by_inverse_layer_idx"),
-                   "another attention scale"),
-                  (not c.get("tie_word_embeddings", True), "an untied head"),
-                  (c.get("add_cross_attention"), "cross-attention")]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError) as e:
         raise NanorouteError(f"{path} is not a GPT-2 config ({type(e).__name__}: {e})")
+    if not isinstance(c, dict):
+        raise NanorouteError(f"{path} is not a GPT-2 config (a JSON {type(c).__name__}, not an "
+                             "object)")
+    for k, typ in HF_TYPES.items():
+        v = c.get(k)
+        if (k in HF_SIZES or v is not None) and (not isinstance(v, typ) or
+                                                 isinstance(v, bool) and typ is not bool):
+            raise NanorouteError(f"{path}: {k} is {v!r}, not {getattr(typ, '__name__', 'int')}: "
+                                 "not a GPT-2 config")
+    small = [k for k in HF_SIZES if c[k] < 1]
+    if small:
+        raise NanorouteError(f"{path}: {small[0]} is {c[small[0]]}, not a size: not a GPT-2 config")
+    arch = dict(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
+                n_head=c["n_head"], n_embd=c["n_embd"], bias=True,
+                gelu=gelus.get(c.get("activation_function", "gelu_new"), "?"))
+    unlike = [(c.get("model_type") != "gpt2", f"model_type {c.get('model_type')!r}"),
+              (arch["gelu"] == "?", f"activation_function {c.get('activation_function')!r}"),
+              (c.get("n_inner") not in (None, 4 * arch["n_embd"]), f"n_inner {c.get('n_inner')}"),
+              (c.get("layer_norm_epsilon", 1e-5) != 1e-5,
+               f"layer_norm_epsilon {c.get('layer_norm_epsilon')}"),
+              (not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx"),
+               "another attention scale"),
+              (not c.get("tie_word_embeddings", True), "an untied head"),
+              (c.get("add_cross_attention"), "cross-attention"),
+              (c.get("n_ctx", c["n_positions"]) != c["n_positions"],
+               f"n_ctx {c.get('n_ctx')} unlike n_positions {c['n_positions']}"),
+              (not set(c.get("architectures") or ["GPT2LMHeadModel"])
+               <= {"GPT2LMHeadModel", "GPT2Model"}, f"architectures {c.get('architectures')}")]
     for differs, what in unlike:
         if differs:
             raise NanorouteError(f"{path}: {what} is not GPT-2's (what nanoroute's blocks compute)")
     return arch
 
 
-def read_safetensors(path):
-    """A .safetensors file -> {name: tensor}. The format: 8 bytes (a little-endian u64) giving the
-    header's length, a JSON header {name: {dtype, shape, data_offsets: [begin, end)}}, raw data."""
+def safetensors_header(path):
+    """Rule: a file read from outside is validated before use. A .safetensors file's header: 8
+    bytes (a little-endian u64) giving its length, then JSON {name: {dtype, shape, data_offsets:
+    [begin, end)}}, then the raw data. -> (data start, {name: (numpy dtype, torch dtype, shape,
+    begin)}), once every tensor is known to lie within the file, to fill its range exactly, and
+    to overlap no other."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -638,19 +924,38 @@ def read_safetensors(path):
             if not 2 <= n <= size - 8:
                 raise ValueError(f"header length {n} in a file of {size} bytes")
             header = json.loads(f.read(n))
-        out = {}
+        if not isinstance(header, dict):
+            raise ValueError("the header is no JSON object")
+        out, spans = {}, []
         for name, t in header.items():
             if name == "__metadata__":
                 continue
             np_dtype, dtype = SAFETENSORS_DTYPES[t["dtype"]]
-            (a, b), count = t["data_offsets"], math.prod(t["shape"])
-            if b - a != count * np.dtype(np_dtype).itemsize or not 0 <= a <= b <= size - 8 - n:
-                raise ValueError(f"{name}: data_offsets {[a, b]} do not hold shape {t['shape']}")
-            arr = np.fromfile(path, dtype=np_dtype, count=count, offset=8 + n + a)
-            out[name] = torch.from_numpy(arr).view(dtype).reshape(t["shape"])
+            (a, b), shape = t["data_offsets"], t["shape"]
+            if not all(type(v) is int and v >= 0 for v in (a, b, *shape)):
+                raise ValueError(f"{name}: data_offsets {t['data_offsets']} or shape {shape} are "
+                                 "not counts")
+            nbytes = math.prod(shape) * np.dtype(np_dtype).itemsize
+            if b - a != nbytes or not a <= b <= size - 8 - n:
+                raise ValueError(f"{name}: data_offsets {[a, b]} do not hold shape {shape}")
+            out[name] = (np_dtype, dtype, shape, 8 + n + a)
+            spans.append((a, b, name))
+        spans.sort()
+        for (_, b0, first), (a1, _, second) in zip(spans, spans[1:]):
+            if a1 < b0:
+                raise ValueError(f"{first} and {second} overlap")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise NanorouteError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e});"
                              " delete it and download it again")
+    return out
+
+
+def read_safetensors(path):
+    """A .safetensors file -> {name: tensor}, its header checked first (safetensors_header)."""
+    out = {}
+    for name, (np_dtype, dtype, shape, begin) in safetensors_header(path).items():
+        arr = np.fromfile(path, dtype=np_dtype, count=math.prod(shape), offset=begin)
+        out[name] = torch.from_numpy(arr).view(dtype).reshape(shape)
     return out
 
 
@@ -897,8 +1202,13 @@ def sample_run(argv):
     if not os.path.isdir(run_dir):
         raise NanorouteError(f"--sample {run_dir}: no such run directory "
                              "(train one with python train.py --model ...)")
+    if not 0 <= opts["seed"] < 2 ** 63:  # torch's seeds are 64-bit
+        raise NanorouteError(f"--seed must be in 0..2**63-1, got {opts['seed']}")
     if opts["num_tokens"] < 1 or opts["temperature"] < 0 or opts["top_k"] < 1:
         raise NanorouteError("--num_tokens and --top_k must be >= 1 and --temperature >= 0")
+    if opts["compile"] and opts["dense"]:  # what is printed is what ran: no step to compile
+        raise NanorouteError("--compile compiles the cached decoding step, and --dense decodes "
+                             "without one: give one of them")
     common.check_device_name(opts["device"])
     candidates = (os.path.join(run_dir, f) for f in ("best.pt", "ckpt.pt"))
     path = next((p for p in candidates if os.path.exists(p)), None)
@@ -935,15 +1245,21 @@ def sample_run(argv):
     if not ids:
         raise NanorouteError(f"--prompt is empty; a {cfg.dataset} prompt needs at least one token "
                              "(e.g. '[BOS] 3 1')")
+    if len(ids) > cfg.block_size:  # what is printed is what ran: the model sees its context
+        print(f"note: the prompt's {len(ids)} tokens are more than the model's context "
+              f"(block_size {cfg.block_size}): it continues from the last {cfg.block_size}")
     idx = torch.tensor(ids[-cfg.block_size:], dtype=torch.long, device=device)[None]  # (1, T0)
     torch.manual_seed(opts["seed"])
     t = time.perf_counter()
-    with common.autocast(device):
-        out = model.generate(idx, opts["num_tokens"], opts["temperature"], opts["top_k"],
-                             use_cache=not opts["dense"], compile=opts["compile"])
+    try:
+        with common.autocast(device):
+            out = model.generate(idx, opts["num_tokens"], opts["temperature"], opts["top_k"],
+                                 use_cache=not opts["dense"], compile=opts["compile"])
+    except Exception as e:
+        raise compile_failure(e, "the decoding step", "leave out --compile") or e
     common.sync(device)
     dt = time.perf_counter() - t
-    cache_free = opts["dense"] or not hasattr(model, "prefill")
+    cache_free = not model.decodes_cached(not opts["dense"])  # what generate ran, not the flag
     how = ("cache-free forward of the whole window per token" if cache_free
            else "KV-cached decoding" + (", routed" if hasattr(model, "routing_map") else "")
            + (", compiled step (includes compile time)" if opts["compile"] else ""))
@@ -988,7 +1304,10 @@ def resume_line(argv, cfg):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    master, cfg = os.environ.get("RANK", "0") == "0", None
+    try:
+        master, cfg = ddp_env()[1] == 0, None
+    except NanorouteError:  # the one process says so (train refuses it again below)
+        master, cfg = True, None
     wants_help = "-h" in argv or "--help" in argv
     try:
         sample = any(a == "--sample" or a.startswith("--sample=") for a in argv)
@@ -1000,11 +1319,12 @@ def main(argv=None):
             sys.stdout.flush()  # a reader gone (head, a pager) shows here, not at the exit's flush
             return None
         if sample:
-            sample_run(argv)
+            if master:  # under torchrun, one sample: rank 0's
+                sample_run(argv)
             sys.stdout.flush()
             return None
-        cfg, module, mode = parse_args(argv)
-        best = train(cfg, module, mode)
+        cfg, module, mode, given = parse(argv)
+        best = train(cfg, module, mode, given)
         if "RANK" in os.environ:
             # DDP keeps gloo's worker threads alive past destroy_process_group, and one that frees a
             # collective's tensors while the interpreter shuts down aborts the process (SIGABRT): a

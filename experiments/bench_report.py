@@ -11,18 +11,45 @@ import json
 from compare import entry, md_table, parser
 
 
-def report(path):
+# the keys each kind of row must have for its table
+NEEDS = {"timed": ("suite", "what", "B", "T", "device", "dtype"),
+         "graphs": ("suite", "path", "n_layer"), "skipped": ("what", "group"),
+         "failed": ("what", "group")}
+
+
+def is_timed(r):
+    return "speedup" in r or "speed_ratio_ours_vs_plain" in r
+
+
+def bench_rows(path):
+    """Rule: a file read from outside is validated before use. A bench.py --json file -> (the run,
+    its rows), each row an object with the keys its table reads (NEEDS)."""
     try:
         run = json.load(open(path))
         rows = run["rows"]
+        if not isinstance(rows, list):
+            raise TypeError(f"rows is a {type(rows).__name__}")
     except (ValueError, KeyError, TypeError) as e:  # an unreadable file: entry's OSError line
         raise ValueError(f"{path}: not a bench.py --json file ({type(e).__name__}: {e})")
+    for i, r in enumerate(rows, 1):
+        kind = ("timed" if isinstance(r, dict) and is_timed(r) else
+                r.get("what") if isinstance(r, dict) else None)
+        missing = [k for k in NEEDS.get(kind, ()) if k not in r]
+        if not isinstance(r, dict) or missing:
+            raise ValueError(f"{path}: row {i} is not a bench.py row ("
+                             + (f"no {', '.join(missing)}" if missing else "not an object")
+                             + "); pass the file bench.py --json wrote")
+    return run, rows
+
+
+def report(path):
+    run, rows = bench_rows(path)
     if not rows:
         return 0
     print(f"{path}: `python {' '.join(run.get('argv', []))}`, torch {run.get('torch')}, commit "
           f"{run.get('commit') or '?'}, {run.get('device_name', '?')}\n")
     f = lambda v: f"{v:.3g}" if isinstance(v, float) else "–" if v is None else str(v)  # noqa: E731
-    timed = [r for r in rows if "speedup" in r or "speed_ratio_ours_vs_plain" in r]
+    timed = [r for r in rows if is_timed(r)]
     mode = lambda r: "compiled" if r.get("compiled") else "eager"  # noqa: E731
     print(md_table([[r["suite"], r["what"], mode(r), r.get("size"), f"{r['B']} × {r['T']}",
                      f(r.get("share_set")),
@@ -32,13 +59,13 @@ def report(path):
                      f(r.get("flops_ideal")), r["device"], r["dtype"]] for r in timed],
                    ["suite", "what", "mode", "size", "B × T", "share", "routed ms (decode: tok/s)",
                     "dense", "speedup", "FLOPs-ideal", "device", "dtype"]))
-    graphs = [r for r in rows if r["what"] == "graphs"]
+    graphs = [r for r in rows if r.get("what") == "graphs"]
     if graphs:
         print(md_table([[r["suite"], r["path"], r["n_layer"],
                          f"{r.get('graphs')} / {r.get('breaks')}",
                          r.get("break_sites") or r.get("error", "")] for r in graphs],
                        ["suite", "path", "layers", "graphs / breaks", "where it breaks"]))
-    other = [r for r in rows if r["what"] in ("skipped", "failed")]
+    other = [r for r in rows if r.get("what") in ("skipped", "failed")]
     if other:
         print(md_table([[r["what"], r["group"], r.get("why", r.get("error"))] for r in other],
                        ["row", "measurement", "why"]))

@@ -356,14 +356,34 @@ def entry(main, *args):
         sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
 
 
-def finished(root, hint):
-    """(root, the names of its runs that finished, with a `done` file); none is a one-line error saying how."""
+def finished(root, hint, models=None):
+    """(root, the names of its runs that finished, with a `done` file); none is a one-line error
+    saying how. models: the --model values the study trains; each run is checked (check_run)."""
     root = os.path.join(ROOT, root)
     runs = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "done"))) \
         if os.path.isdir(root) else []
     if not runs:
         raise ValueError(f"no finished runs in {root}: {hint}")
+    for d in runs if models else ():
+        check_run(os.path.join(root, d), models, hint)
     return root, runs
+
+
+def check_run(run, models, hint):
+    """Rule: a run folder handed to a study is validated before use: a train.py run (config.json)
+    of one of the study's models, with an eval line in its metrics.jsonl; else one line naming the
+    folder and the fix."""
+    try:
+        model = json.load(open(os.path.join(run, "config.json")))["model"]
+        recs = map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+        last = [r for r in recs if r.get("kind") == "eval"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{run} is not a train.py run ({type(e).__name__}: {e}); {hint}")
+    if model not in models:
+        raise ValueError(f"{run} is a --model {model} run; this study's runs are "
+                         f"{', '.join(sorted(models))}: pass the --out it trained into, or {hint}")
+    if not last:
+        raise ValueError(f"{run}/metrics.jsonl has no eval line: the run did not finish; {hint}")
 
 
 def study_cli(doc, commands, out, argv=None, p=None):

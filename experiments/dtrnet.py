@@ -35,9 +35,13 @@ def sparse_val(run):
 
 
 def table(a):
-    (root, names), rows, by = finished(a.out, "train them with `python experiments/dtrnet.py train`"), [], {}
+    hint = "train them with `python experiments/dtrnet.py train`"
+    (root, names), rows, by = finished(a.out, hint, {"dtrnet", "gpt"}), [], {}
     for d in names:
-        name, seed = d.rsplit("_s", 1)
+        name, _, seed = d.rpartition("_s")
+        if name not in RUNS or not seed.isdigit():
+            raise ValueError(f"{os.path.join(root, d)} is not one of this study's runs "
+                             f"({', '.join(RUNS)}, each _s<seed>); {hint}")
         ev, model = evals(os.path.join(root, d))[-1], json.load(open(os.path.join(root, d, "config.json")))["model"]
         layers = " ".join(f"L{k[10:]}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith("val_frac_l"))
         frac, flops = ev.get("val_frac_attn", 1.0), ev.get("val_flops_ratio", 1.0)

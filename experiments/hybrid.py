@@ -29,7 +29,8 @@ def train(a):
 
 
 def table(a):
-    (root, names), runs = finished(a.out, "train them with `python experiments/hybrid.py train`"), {}
+    hint = "train them with `python experiments/hybrid.py train`"
+    (root, names), runs = finished(a.out, hint, {"hybrid"}), {}
     for d in names:
         name, _, seed = d.rpartition("-s")
         runs.setdefault(name, {})[int(seed)] = evals(os.path.join(root, d), kind=None)

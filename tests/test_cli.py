@@ -60,6 +60,14 @@ def copy_run(runs, tmp_path, name="gpt"):
     return tmp_path / name
 
 
+def edit_config(out, lr=None, model=None):
+    """A config.json edited by hand after the run was written."""
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update({k: v for k, v in (("learning_rate", lr), ("model", model)) if v is not None})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
 def damage(path, size):
     with open(path, "r+b") as f:
         f.truncate(size)
@@ -106,11 +114,24 @@ TRAIN_CASES = {
                             or t / "x", "holds a run (metrics.jsonl)"),
     "resume nothing": (["--resume"], lambda r, t, m: t / "none", "no {out}/ckpt.pt to resume from"),
     "resume another model": (["--resume", "--model=tsa", "--n_layer=2", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
-                             "has model=gpt but this run asks for model=tsa"),
+                             "--resume: --model asks for model=tsa but {out}/config.json has model=gpt"),
     "resume another size": (["--resume", "--n_embd=32", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
-                            "has n_embd=16 but this run asks for n_embd=32"),
+                            "--n_embd asks for n_embd=32 but {out}/config.json has n_embd=16"),
     "resume another dataset": (["--resume", "--dataset=sort", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
-                               "has dataset=shakespeare but this run asks for dataset=sort"),
+                               "--dataset asks for dataset=sort but {out}/config.json has dataset=shakespeare"),
+    "resume with another seed": (["--resume", "--seed=7", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
+                                 "--resume: --seed asks for seed=7 but {out}/config.json has seed=1337; a "
+                                 "resumed run keeps its values: drop --seed (may change: --max_iters"),
+    "resume with a preset": (["--resume", "--preset=paper", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
+                             "--preset paper (its learning_rate) asks for learning_rate=0.001 but"),
+    "resume with another eval_iters": (["--resume", "--eval_iters=3", "--max_iters=9"],
+                                       lambda r, t, m: copy_run(r, t), "--eval_iters asks for eval_iters=3"),
+    "resume an edited config.json": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
+        copy_run(r, t), lr=0.5), "ckpt.pt has learning_rate=0.002 but this run asks for learning_rate=0.5"),
+    "resume a config.json of nothing": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
+        copy_run(r, t), model="mlp"), "config.json is not a nanoroute run's config"),
+    "resume a config.json with a string lr": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
+        copy_run(r, t), lr="0.002"), "learning_rate must be float, got '0.002' ({out}/config.json, with the flags"),
     "resume a best.pt copy": (["--resume", "--max_iters=9"], lambda r, t, m: shutil.copy(
         copy_run(r, t) / "best.pt", t / "gpt" / "ckpt.pt") and t / "gpt", "has no training state (optimizer"),
     "resume at max_iters": (["--resume"], lambda r, t, m: copy_run(r, t), "is at step 4 and --max_iters=4"),
@@ -128,6 +149,20 @@ TRAIN_CASES = {
     "empty val.bin": (["--data_dir={data}"], lambda r, t, m: damage(t / "data" / "shakespeare" / "val.bin", 0),
                       "val.bin has 0 bytes"),
     "stray word": (["gpt"], None, "unexpected argument 'gpt'"),
+    "a seed torch cannot take": (["--seed=99999999999999999999999"], None, "seed must be < 2**63, got 9999"),
+    "out_dir inside the data": ([], lambda r, t, m: t / "data" / "shakespeare",
+                                "is inside --data_dir {data}, the prepared data: choose another --out_dir"),
+    "init_from a folder of nothing": (["--init_from={data}"], None,
+                                      "no config.json or model.safetensors there (a Hugging Face GPT-2"),
+    "init_from a log": (["--init_from={data}/shakespeare/meta.json"], None,
+                        "meta.json is corrupt or not a nanoroute checkpoint (UnpicklingError)"),
+    "a leftover RANK": ([], lambda r, t, m: [m.delenv(k, raising=False) for k in (
+        "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")] and m.setenv("RANK", "1"),
+        "RANK=1 is set but not WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK: a leftover"),
+    "no value before a flag": (["--model=tsa", "--n_layer=2", "--lam", "--seed", "3"], None,
+                               "--lam needs a value"),
+    "dtrnet with no D layer": (["--model=dtrnet", "--n_layer=2"], None,
+                               "layers='bilayer' at n_layer=2 gives 'TT', no D (routed) layer"),
 }
 
 
@@ -139,8 +174,10 @@ def test_train_py(case, runs, tmp_path, monkeypatch, capsys):
     before = {f: (out / f).read_bytes() for f in train.RUN_FILES if os.path.isfile(os.path.join(out, f))}
     extra = [a.replace("{data}", str(tmp_path / "data")) for a in extra]
     capsys.readouterr()
-    err = one_error(capsys, lambda: train.main(flags(runs / "data", out, *extra)))
-    assert message.replace("{out}", str(out)) in err
+    data = tmp_path / "data" if case == "out_dir inside the data" else runs / "data"
+    err = one_error(capsys, lambda: train.main(flags(data, out, *extra)))
+    assert message.replace("{out}", str(out)).replace("{data}", str(data)) in err
+    assert "weights_only=False" not in err  # torch's advice to run a file's code is not ours
     assert {f: (out / f).read_bytes() for f in before} == before  # a refusal writes nothing
     assert not [f for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]  # nor leaves partial files
 
@@ -154,6 +191,8 @@ SAMPLE_CASES = {
     "meta device": (["--device=meta"], "got 'meta'"),
     "zero tokens": (["--num_tokens=0"], "--num_tokens and --top_k must be >= 1"),
     "copy prompt not numbers": (["--prompt=hello"], "a copy prompt is space-separated numbers"),
+    "a seed torch cannot take": (["--seed=18446744073709551616"], "--seed must be in 0..2**63-1"),
+    "compile and dense": (["--compile", "--dense"], "--compile compiles the cached decoding step, and --dense"),
 }
 
 
@@ -173,6 +212,14 @@ def test_sample_copy_task_without_a_prompt_completes_a_held_out_record(runs, cap
     assert "no --prompt: completing the first held-out record's source '[BOS]" in out
     sample = out.split("sample:\n")[1].split()
     assert sample[0] == "[BOS]" and sample[11] == "[SEP]" and len(sample) == 2 * common.TASK_LEN + 3
+
+
+def test_a_sample_cropped_to_the_context_says_so(runs, capsys):
+    train.main(["--sample", str(runs / "gpt"), "--prompt=" + "ROMEO: " * 4, "--num_tokens=2", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert "note: the prompt's 28 tokens are more than the model's context (block_size 16): it continues " \
+           "from the last 16" in out
+    assert "KV-cached decoding" in out and out.split("sample:\n")[1].startswith(("ROMEO: " * 4)[-16:])
 
 
 def test_sample_in_a_read_only_run_prints_the_sample_then_warns(runs, monkeypatch, capsys):
@@ -218,6 +265,64 @@ def test_resume_after_a_partial_last_log_line(runs, tmp_path, capsys):
     assert recs[-1]["step"] == 6 and [r["step"] for r in recs if r["kind"] == "train"] == list(range(6))
 
 
+def test_resume_takes_every_value_from_the_runs_config(runs, tmp_path, capsys):
+    """Resumed with only the folder and a longer --max_iters: the model, sizes, schedule and seed are the
+    run's (config.json), not today's defaults; the flags a user may change mid-run are applied."""
+    out = copy_run(runs, tmp_path, "tsa")
+    saved = json.loads((out / "config.json").read_text())
+    train.main(["--resume", f"--out_dir={out}", "--max_iters=3", "--log_interval=2", "--device=cpu"])
+    now = json.loads((out / "config.json").read_text())
+    assert now == {**saved, "max_iters": 3, "log_interval": 2, "out_dir": str(out)}
+    assert now["model"] == "tsa" and now["n_layer"] == 2 and now["hard_ft_iters"] == 1
+    assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == 3
+    assert "resuming" in capsys.readouterr().out
+
+
+def test_init_from_a_run_says_what_came_from_it_and_refuses_a_given_value(runs, tmp_path, capsys):
+    """--n_layer=6 is the default, but given it is asked for: refused, not silently replaced by the
+    checkpoint's 1; left out, the checkpoint's sizes are taken and named in one line."""
+    ckpt = runs / "gpt" / "ckpt.pt"
+    base = [f"--data_dir={runs / 'data'}", f"--init_from={ckpt}", "--max_iters=1", "--eval_iters=1",
+            "--batch_size=2", "--device=cpu"]
+    err = one_error(capsys, lambda: train.main(base + ["--n_layer=6", f"--out_dir={tmp_path / 'a'}"]))
+    assert "has n_layer=1, but this run asks for n_layer=6: drop --n_layer" in err
+    assert not (tmp_path / "a").exists()
+    train.main(base + [f"--out_dir={tmp_path / 'b'}"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("from --init_from")]
+    assert lines == [f"from --init_from {ckpt}: vocab_size=65, block_size=16, n_layer=1, n_head=2, "
+                     "n_embd=16, bias=false, gelu=none; the rest from this run's flags and defaults"]
+
+
+def test_a_path_with_a_tilde_is_under_home_and_a_replaced_vocab_size_is_said(runs, tmp_path, monkeypatch,
+                                                                            capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    train.main(flags(runs / "data", "~/run", "--max_iters=1", "--vocab_size=100"))
+    assert (tmp_path / "run" / "ckpt.pt").exists() and not (tmp_path / "cwd" / "~").exists()
+    assert "note: vocab_size 100 -> 65, shakespeare's vocabulary" in capsys.readouterr().out
+    train.main(["--sample=~/run", "--num_tokens=3", "--temperature=1e-300", "--device=cpu"])
+    assert "sample:" in capsys.readouterr().out
+
+
+def test_compile_failing_at_compile_time_is_one_line_before_anything_is_written(runs, tmp_path, monkeypatch,
+                                                                              capsys):
+    """A compiler that cannot build (no C++ compiler here): one line with the cause and --compile=false, and no
+    run in the folder, so the same command with --compile=false starts without --overwrite."""
+    import functools
+
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("Compiler: cc is not found")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=no_compiler))
+    err = one_error(capsys, lambda: train.main(flags(runs / "data", tmp_path / "run", "--compile")))
+    assert "--compile failed compiling the training step (RuntimeError: Compiler: cc is not found); " \
+           "run without it: --compile=false" in err
+    assert not (tmp_path / "run").exists()
+    err = one_error(capsys, lambda: train.main(["--sample", str(runs / "gpt"), "--compile", "--num_tokens=3"]))
+    assert "--compile failed compiling the decoding step (RuntimeError: Compiler: cc is not found); " \
+           "run without it: leave out --compile" in err
+
+
 def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):
     d = tmp_path / "data" / "shakespeare"
     d.mkdir(parents=True)
@@ -229,11 +334,34 @@ def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):
     assert json.load(open(d / "meta.json"))["val_tokens"] == 111540
 
 
-def test_overwrite_replaces_the_old_run(runs, tmp_path):
+def test_overwrite_replaces_the_old_run_and_removes_only_what_it_lists(runs, tmp_path):
     out = copy_run(runs, tmp_path)
     (out / "routing.html").write_text("old")
+    (out / "notes.txt").write_text("mine")  # a user's file in the run folder
+    (out / "best.pt.tmp").write_text("partial")
     train.main(flags(runs / "data", out, "--overwrite", "--max_iters=2"))
     assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == 2 and not (out / "routing.html").exists()
+    assert (out / "notes.txt").read_text() == "mine" and not (out / "best.pt.tmp").exists()
+    assert set(os.listdir(out)) <= {"notes.txt", *train.OUTPUTS}
+
+
+class RunsCode:
+    """What a pickled checkpoint can do when loaded without weights_only: call any function."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_is_not_weights_only_is_refused_unrun(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": {}, "config": {"model": "gpt"}, "x": RunsCode(str(tmp_path / "ran"))}, run / "best.pt")
+    err = one_error(capsys, lambda: train.main(["--sample", str(run)]))
+    assert f"checkpoint {run / 'best.pt'} is not weights-only: it holds pickled objects" in err
+    assert not (tmp_path / "ran").exists()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -279,6 +407,53 @@ def test_ctrl_c_stops_with_the_resume_command(runs, tmp_path):
     assert not [f for f in os.listdir(tmp_path / "run") if f.endswith(".tmp")]
 
 
+def test_one_run_folder_one_writer_and_a_killed_run_leaves_no_lock(runs, tmp_path):
+    """A second train.py into a folder a live run trains into is one line and writes nothing; once
+    the first is killed (SIGKILL: no code of its own runs), the next --resume takes the folder."""
+    out = tmp_path / "run"
+    argv = flags(runs / "data", out, "--max_iters=100000", "--eval_interval=5")
+    first = subprocess.Popen([sys.executable, "train.py", *map(str, argv)], cwd=ROOT, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for _ in range(1200):  # until the first checkpoint is there
+            if (out / "ckpt.pt").exists():
+                break
+            time.sleep(0.1)
+        log = (out / "metrics.jsonl").read_text()
+        step = common.load_checkpoint(str(out / "ckpt.pt"))["iter"]
+        second = cli(*argv[:-2], f"--max_iters={step + 1}", "--eval_interval=5", "--resume")
+        assert first.poll() is None, "the first run ended before the second was tried"
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+        assert second.stderr.startswith(f"error: {out} is being trained by pid {first.pid} on ")
+        assert (out / "metrics.jsonl").read_text().startswith(log)  # not rewritten by the second
+    finally:
+        first.kill()
+        first.wait()
+    assert (out / train.LOCK).exists()  # what SIGKILL leaves: a file no process holds
+    step = common.load_checkpoint(str(out / "ckpt.pt"))["iter"]
+    train.main(flags(runs / "data", out, "--resume", f"--max_iters={step + 1}", "--eval_interval=5"))
+    assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == step + 1
+    assert not (out / train.LOCK).exists()
+
+
+def torchrun(*argv):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train.py", *map(str, argv)], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_torchrun_a_refusal_of_rank_0_ends_every_rank_and_a_sample_prints_once(runs, tmp_path):
+    """Rank 0 alone checks the run folder; its verdict ends rank 1 too with exit 2 (not killed by
+    torchrun at a barrier it waited at), one error line in all. --sample: one sample, rank 0's."""
+    out = copy_run(runs, tmp_path)
+    p = torchrun(*flags(runs / "data", out, "--max_iters=2"))
+    assert p.stderr.count("error: ") == 1 and f"error: {out} holds a run" in p.stderr
+    assert p.stderr.count("exitcode  : 2") == 2, p.stderr  # both ranks, each by its own refusal
+    p = torchrun("--sample", out, "--num_tokens=3", "--device=cpu")
+    assert p.returncode == 0 and p.stdout.count("sample:\n") == 1, p.stdout + p.stderr
+
+
 def test_torchrun_resume_of_a_one_process_run_is_refused(runs, tmp_path):
     out = copy_run(runs, tmp_path)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -295,7 +470,9 @@ def test_torchrun_resume_of_a_one_process_run_is_refused(runs, tmp_path):
 EXP = os.path.join(ROOT, "experiments")
 EXPERIMENT_CASES = {
     "tsa.py": [(["table"], "table needs a records file"), (["table", "{tmp}/none.jsonl"], "No such file"),
-               (["table", "{empty}"], "no records in"), (["proxy-table", "{tmp}/none"], "no finished runs in"),
+               (["table", "{empty}"], "no records in"),
+               (["table", "{metrics}"], "metrics.json line 1 is not an `eval` record (no model)"),
+               (["table", "{tsarec}"], "tsarec.json line 1 is not an `eval` record (no soft_loss, alpha"), (["proxy-table", "{tmp}/none"], "no finished runs in"),
                (["curve-table", "{tmp}"], "no finished runs in"), (["proxy"], "proxy needs --seed"),
                (["curve", "--seeds=one"], "expected comma-separated ints"), (["grid", "--lrs=fast"], "floats"),
                (["proxy", "--seed=1", "--branches=hard"], "unknown hard"), (["nope"], "invalid choice")],
@@ -306,7 +483,10 @@ EXPERIMENT_CASES = {
     "compare.py": [(["--runs=gpt-L5"], "unknown gpt-L5; choose from gpt-L6"), (["--seeds=one"], "got 'one'"),
                    (["--table-only", "--quick", "--out={tmp}"], "no records in"), (["--jobs=0"], ">= 1")],
     "bench_report.py": [(["{tmp}/none.json"], "none.json: No such file"), ([], "required: json"),
-                        (["{empty}"], "not a bench.py --json file"), (["{norows}"], "no rows to tabulate")],
+                        (["{empty}"], "not a bench.py --json file"), (["{norows}"], "no rows to tabulate"),
+                        (["{badrow}"], "row 2 is not a bench.py row (no B, T, dtype)"),
+                        (["{listrows}"], "row 1 is not a bench.py row (not an object)"),
+                        (["{results}"], "not a bench.py --json file (TypeError: rows is a dict)")],
 }
 if not torch.cuda.is_available():
     EXPERIMENT_CASES["devices.py"].append((["--device=cuda"], "device 'cuda' is not available here"))
@@ -317,11 +497,52 @@ if not torch.cuda.is_available():
 def test_experiments(script, argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "norows.json").write_text('{"rows": []}')
+    timed = {"suite": "tsa", "what": "forward", "B": 1, "T": 8, "device": "cpu", "dtype": "fp32", "speedup": 1.0}
+    files = {"badrow": {"rows": [timed, {"suite": "tsa", "what": "forward", "device": "cpu", "speedup": 2.0}]},
+             "listrows": {"rows": [[1, 2]]}, "results": {"rows": {"tsa": 1.0}},
+             "metrics": {"kind": "eval", "step": 4, "val_loss": 4.2},
+             "tsarec": {"run": "out/tsa/lam0.01_s1", "model": "tsa", "variant": "tsa", "seed": 1, "lam": 0.01}}
+    for name, content in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
     argv = [a.replace("{tmp}", str(tmp_path)).replace("{empty}", str(tmp_path / "empty.jsonl"))
             .replace("{norows}", str(tmp_path / "norows.json")) for a in argv]
+    for name in files:
+        argv = [a.replace("{" + name + "}", str(tmp_path / f"{name}.json")) for a in argv]
     monkeypatch.setattr(sys, "path", sys.path + [EXP])  # after the model files: experiments/tsa.py shadows nothing
     monkeypatch.setattr(sys, "argv", [script, *argv])
     assert message in one_error(capsys, lambda: runpy.run_path(os.path.join(EXP, script), run_name="__main__"))
+
+
+def test_bench_filters_that_match_nothing_and_checkpoint_rows_say_so(runs, capsys):
+    import bench
+    assert "matches no measurement of the gpu suite (names like: decode quick tsa," in one_error(
+        capsys, lambda: bench.main(["gpu", "--quick", "--only=decode quick tsx", "--device=cpu"]))
+    assert "--only picks among the gpu suite's measurements; bench.py gpt would ignore it" in one_error(
+        capsys, lambda: bench.main(["gpt", "--quick", "--only=decode", "--device=cpu"]))
+    rows = bench.main(["gpt", "--quick", "--ckpt", str(runs / "gpt" / "ckpt.pt"), "--device=cpu", "--repeats=1"])
+    timed = [r for r in rows if r["what"] != "graphs"]
+    assert timed and {r["size"] for r in timed} == {f"{runs / 'gpt' / 'ckpt.pt'}: 1 x 16, T = 16"}
+
+
+def test_a_study_handed_runs_of_another_kind_says_so(runs, tmp_path, monkeypatch, capsys):
+    """A folder of finished runs of another model (or other names) handed to a study's table: one line
+    naming the run and what the study expects, not a table of the wrong runs or a traceback."""
+    monkeypatch.setattr(sys, "path", sys.path + [EXP])
+
+    def table(script, out):
+        monkeypatch.setattr(sys, "argv", [script, "table", f"--out={out}"])
+        return one_error(capsys, lambda: runpy.run_path(os.path.join(EXP, script), run_name="__main__"))
+    study = tmp_path / "study"
+    shutil.copytree(runs / "tsa", study / "bilayer_s1")
+    (study / "bilayer_s1" / "done").write_text("")
+    assert f"{study / 'bilayer_s1'} is a --model tsa run; this study's runs are dtrnet, gpt" in table(
+        "dtrnet.py", study)
+    assert "is a --model tsa run; this study's runs are hybrid: pass the --out" in table("hybrid.py", study)
+    shutil.rmtree(study)
+    shutil.copytree(runs / "gpt", study / "gpt-run")
+    (study / "gpt-run" / "done").write_text("")
+    assert f"{study / 'gpt-run'} is not one of this study's runs (bilayer, dense, skip, trilayer" in table(
+        "dtrnet.py", study)
 
 
 @pytest.mark.parametrize("script", sorted(EXPERIMENT_CASES))

@@ -512,6 +512,23 @@ def records(out_dir):
     return [{k: v for k, v in r.items() if k != "time"} for r in map(json.loads, open(out_dir / "metrics.jsonl"))]
 
 
+@pytest.mark.parametrize("edit,says", [
+    (lambda m: [], "is a JSON list, not an object"),
+    (lambda m: dict(m, dataset="enwik8"), "names the dataset 'enwik8'"),
+    (lambda m: dict(m, vocab_size="65"), "has vocab_size '65'"),
+    (lambda m: dict(m, val_tokens=-1), "has val_tokens -1"),
+    (lambda m: {k: v for k, v in m.items() if k != "itos"}, "lacks an itos of 65 characters"),
+    (lambda m: dict(m, itos=m["itos"][:40], vocab_size=40), "holds token id 64, beyond"),
+], ids=["list", "other dataset", "string vocab", "negative count", "no itos", "ids beyond vocab"])
+def test_a_datasets_meta_json_is_checked_before_use(data_dir, tmp_path, edit, says):
+    shutil.copytree(data_dir, tmp_path / "data")
+    common.prepare("shakespeare", str(tmp_path / "data"))
+    path = tmp_path / "data" / "shakespeare" / "meta.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    with pytest.raises(common.NanorouteError, match=f"{says}.*; delete "):
+        common.prepare("shakespeare", str(tmp_path / "data"))
+
+
 def test_killed_run_resumes_exactly(data_dir, tmp_path, monkeypatch):
     run([], data_dir, tmp_path / "a")
     real_lr_at = common.lr_at
@@ -536,7 +553,7 @@ def test_resume_errors_are_one_line(data_dir, tmp_path, capsys):
     run(["--max_iters=5"], data_dir, tmp_path)
     with pytest.raises(SystemExit):
         run(["--resume", "--n_embd=64"], data_dir, tmp_path)
-    assert "has n_embd=32 but this run asks for n_embd=64" in capsys.readouterr().err
+    assert "--n_embd asks for n_embd=64 but" in capsys.readouterr().err
     (tmp_path / "ckpt.pt").write_bytes(b"garbage")
     with pytest.raises(SystemExit):
         run(["--resume"], data_dir, tmp_path)
@@ -853,6 +870,17 @@ def test_sampling_top_k_keeps_exactly_the_k_largest(monkeypatch, k):
     assert torch.allclose(probs, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_sampling_at_a_vanishing_temperature_is_the_greedy_limit(temperature):
+    """logits / τ alone overflows to inf (softmax: NaN, torch.multinomial refuses it); τ → 0 is
+    greedy, ties shared."""
+    logits = torch.tensor([[0.1, 0.9, 0.3], [2.0, -1.0, 1.9], [1.0, 1.0, -3.0]])
+    torch.manual_seed(0)
+    picks = torch.cat([common.sample_next(logits, temperature) for _ in range(50)], 1)
+    assert (picks[:2] == torch.tensor([[1], [0]])).all()
+    assert set(picks[2].tolist()) == {0, 1}
+
+
 def test_sampling_at_temperature_zero_is_greedy(monkeypatch):
     monkeypatch.setattr(torch, "multinomial", lambda *a, **kw: pytest.fail("sampled at τ = 0"))
     logits = torch.tensor([[0.1, 0.9, 0.3], [2.0, -1.0, 1.9]])
@@ -888,6 +916,21 @@ def test_gpt_prefill_and_step_equal_the_full_forward(dev):
         steps, full = decoded_vs_full(model, idx, 5)
     atol, rtol = dev.tol()
     torch.testing.assert_close(steps, full, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("name,flags", [(n, []) for n in TINY] + [("conddepth", ["--mode=topk"])])
+def test_decodes_cached_says_what_generate_runs(name, flags, monkeypatch):
+    """The label `train.py --sample` prints ("KV-cached decoding" or "cache-free") comes from
+    decodes_cached: it must be true exactly when generate decodes through prefill/step."""
+    model, cfg = tiny_model(name, *flags)
+    model.eval()
+    for use_cache in (True, False):
+        calls = []
+        if hasattr(model, "prefill"):
+            real = model.prefill
+            monkeypatch.setattr(model, "prefill", lambda idx, real=real: calls.append(1) or real(idx))
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=0, use_cache=use_cache)
+        assert bool(calls) == model.decodes_cached(use_cache), (name, flags, use_cache)
 
 
 def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):

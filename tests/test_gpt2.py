@@ -179,6 +179,49 @@ def test_position_embeddings_cropped_and_checkpoints_checked(hf, tmp_path):
         train.gpt2_config(str(bad))
 
 
+@pytest.mark.parametrize("field,value,says", [
+    ("n_layer", "3", "n_layer is '3', not int"), ("n_embd", True, "n_embd is True, not int"),
+    ("scale_attn_weights", "false", "scale_attn_weights is 'false', not bool"),
+    ("n_head", 0, "n_head is 0, not a size"), ("n_ctx", 64, "n_ctx 64 unlike n_positions 128"),
+    ("architectures", ["GPT2ForSequenceClassification"], "architectures ['GPT2ForSequence")])
+def test_a_hf_config_is_checked_field_by_field(hf, tmp_path, field, value, says):
+    """A config.json field of the wrong type (a string "false" is truthy: it would read as
+    scale_attn_weights on) or one that changes the function is refused, naming the file."""
+    bad = tmp_path / "bad"
+    shutil.copytree(hf[0], bad)
+    json.dump(dict(json.load(open(bad / "config.json")), **{field: value}),
+              open(bad / "config.json", "w"))
+    with pytest.raises(common.NanorouteError, match="config.json: " + says.replace("[", r"\[")):
+        train.gpt2_config(str(bad))
+
+
+def test_overlapping_safetensors_are_refused(tmp_path):
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(12))
+    with pytest.raises(common.NanorouteError, match="a and b overlap"):
+        train.read_safetensors(str(path))
+
+
+def test_a_cached_download_that_is_not_what_it_claims_is_not_kept(hub, hf, tmp_path, monkeypatch):
+    """A proxy's HTML page served as config.json: refused, and removed from data/hf/, so the next
+    run (here with the real file served) downloads it again instead of failing forever."""
+    monkeypatch.setenv("NANOROUTE_HF_URL", hub[0])
+    served = os.path.join(os.path.dirname(hf[0]), "hub", "gpt2-large", "resolve", "main")
+    os.makedirs(served)
+    with open(os.path.join(served, "config.json"), "w") as f:
+        f.write("<!doctype html><html><body>Sign in to this network</body></html>")
+    cached = tmp_path / "hf" / "gpt2-large" / "config.json"
+    with pytest.raises(common.NanorouteError, match="is not a GPT-2 config .*removed it from the "
+                       "cache: the next run downloads it again"):
+        train.gpt2_folder("gpt2-large", str(tmp_path), files=("config.json",))
+    assert not cached.exists()
+    shutil.copy(os.path.join(hf[0], "config.json"), os.path.join(served, "config.json"))
+    train.gpt2_folder("gpt2-large", str(tmp_path), files=("config.json",))
+    assert train.gpt2_config(str(cached.parent))["n_layer"] == N_LAYER
+
+
 def test_the_hubs_layout_and_every_float_dtype(hf, tmp_path):
     """The Hub's gpt2 files predate `transformer.`-prefixed names and keep the causal-mask buffers
     (h.<i>.attn.bias, attn.masked_bias): both layouts give the same state dict. The reader gives
