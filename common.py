@@ -323,6 +323,9 @@ def meta_problem(meta, name):
                              f"an itos of {V} characters"),
              "shakespeare_bpe": (meta.get("encoding") == "r50k_base" and V == 50257,
                                  "encoding r50k_base and vocab_size 50257"),
+             "fineweb_edu": (meta.get("encoding") == "r50k_base" and V == 50257
+                             and isinstance(meta.get("shards"), dict),
+                             "encoding r50k_base, vocab_size 50257 and its shards"),
              "enwik8": (V == 256, "vocab_size 256 (bytes)"),
              "copy": (meta.get("record_len") == 2 * TASK_LEN + 3 and V == TASK_VOCAB + 3,
                       f"record_len {2 * TASK_LEN + 3} and vocab_size {TASK_VOCAB + 3}")}

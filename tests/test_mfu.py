@@ -35,7 +35,7 @@ def test_tsa_training_runs_every_block_and_its_routers():
 
 def test_dtrnet_counts_what_its_packed_pass_ran():
     """A router that skips work shows it: the training forward's own flops_ratio."""
-    cfg = dtrnet.Config(**SMALL)
+    cfg = dtrnet.Config(**{**SMALL, "n_layer": 3})  # T D T: one routed layer
     model = dtrnet.Model(cfg).train()
     x = torch.randint(0, 65, (4, 32), generator=torch.Generator().manual_seed(0))
     _, _, stats = model(x, x)
@@ -43,7 +43,7 @@ def test_dtrnet_counts_what_its_packed_pass_ran():
     got = common.train_flops_per_token(model, 32, stats)
     assert got == pytest.approx(float(dtrnet.flops_per_token(cfg, 32, fracs)), rel=1e-6)
     assert common.train_flops_per_token(model, 32, {"flops_ratio": torch.tensor(0.75)}) \
-        == pytest.approx(0.75 * DENSE_SMALL)
+        == pytest.approx(0.75 * common.dense_flops_per_token(cfg, 32))
 
 
 def test_hybrid_training_runs_both_mixers():
