@@ -9,8 +9,8 @@ eager and compiled (torch.compile), every pair timed in the same run, interleave
   python bench.py gpu --json results/gpu_bench.json              # the GPU script (< 8 minutes)
   python bench.py all --quick                   # tiny sizes: a smoke run
 
-A suite (tsa, dtrnet, conddepth, hybrid, mod) builds its model at --size, its routers set so that a share
-of the tokens (SHARES) takes the costly path, and a dense GPT of the same size. Rows (`what`):
+A suite (tsa, dtrnet, conddepth, hybrid, mod) builds its model at --size, its routers set so that a
+share of the tokens (SHARES) takes the costly path, and a dense GPT of the same size. Rows (`what`):
   graphs          graphs / graph breaks torch._dynamo.explain finds on each path (train_forward,
                   eval_forward, sparse_forward, decode_step_B1, decode_step_B4) and where it breaks;
                   on the CPU at GRAPH_SIZE: the counts do not depend on the device

@@ -12,7 +12,7 @@ stream. k is fixed, so training has static shapes and does fewer FLOPs per step.
   (2) k = ⌈C·T⌉,  P_β(R^l) the β-percentile of R^l = {r_i^l}, β = 1 − C    capacity C
   (3) x_i^{l+1} = r̂_i^l f_i(X̃^l) + x_i^l  if r_i^l > P_β(R^l) (i among the top k), else x_i^l
       X̃^l: the selected tokens in positional order; f: the block (attention among X̃, then MLP)
-  (4) causal inference, method a: L_aux = BCE(r_i, 1[i ∈ top-k]); run the block where σ(r_i) > 0.5
+  (4) causal inference, method a: L_aux = BCE(r_i, 1[i ∈ top-k]); run the block if σ(r_i) > 0.5
   (5) causal inference, method b: a small MLP p(sg(x_i)) trained by BCE(p_i, 1[i ∈ top-k]), no
       gradient into the LM; run the block where σ(p_i) > 0.5
 
@@ -86,7 +86,7 @@ PRESETS = {"paper": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, cap
 
 
 def capacity_k(C, T):
-    """k = ⌈C·T⌉ (eq. 2), in 1..T; C·T is rounded first so that 0.7·10 gives 7, not 8."""
+    """k = ⌈C·T⌉ (eq. 2), in 1..T; C·T is rounded first so that 0.07·100 gives 7, not 8."""
     return min(T, max(1, math.ceil(round(C * T, 6))))
 
 
