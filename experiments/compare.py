@@ -48,7 +48,7 @@ RUNS = {  # name -> (model, flags): dense line first, then two operating points 
     # the control of both: the same dense checkpoint trained on for the same steps with the same flags
     "gpt-L6-ft": ("gpt", FT),
     # MoD: its paper's point (12.5%, every other block) and DTRNet's baseline (70%, every block);
-    # isoflop: gpt-L6's training FLOPs, iters_x = dense / MoD training FLOPs per token (mod.py) steps
+    # isoflop: gpt-L6's training FLOPs: iters_x = dense / MoD training FLOPs per token (mod.py)
     "mod-c12.5": ("mod", {"capacity": 0.125}),
     "mod-c70-every": ("mod", {"capacity": 0.7, "every": 1}),
     "mod-c12.5-isoflop": ("mod", {"capacity": 0.125, "iters_x": 1.7933}),
@@ -144,7 +144,7 @@ def memory_bytes(model_name, cfg, ev, T=1024, bytes_per=4):
     if model_name == "dtrnet":
         return sum(kv * (ev[f"frac_l{i}"] if c == "D" else 1.0) for i, c in enumerate(cfg.pattern))
     if model_name == "mod":
-        return sum(kv * (1 - ev[f"skip_l{i}"] if c == "R" else 1) for i, c in enumerate(cfg.pattern))
+        return kv * sum(1 - ev[f"skip_l{i}"] if k == "R" else 1 for i, k in enumerate(cfg.pattern))
     if model_name == "hybrid":
         H, K = cfg.n_head, cfg.head_k
         V = cfg.gdn_expand_v * K
