@@ -9,8 +9,8 @@ eager and compiled (torch.compile), every pair timed in the same run, interleave
   python bench.py gpu --json results/gpu_bench.json              # the GPU script (< 8 minutes)
   python bench.py all --quick                   # tiny sizes: a smoke run
 
-A suite (tsa, dtrnet, conddepth, hybrid) builds its model at --size, its routers set so that a share
-of the tokens (SHARES) takes the costly path, and a dense GPT of the same size. Rows (`what`):
+A suite (tsa, dtrnet, conddepth, hybrid, mod) builds its model at --size, its routers set so that a
+share of the tokens (SHARES) takes the costly path, and a dense GPT of the same size. Rows (`what`):
   graphs          graphs / graph breaks torch._dynamo.explain finds on each path (train_forward,
                   eval_forward, sparse_forward, decode_step_B1, decode_step_B4) and where it breaks;
                   on the CPU at GRAPH_SIZE: the counts do not depend on the device
@@ -64,10 +64,11 @@ SIZES = {"quick": dict(n_layer=3, n_head=2, n_embd=64, T=32, B=2),
 GRAPH_SIZE = dict(n_layer=4, n_head=2, n_embd=64, T=64, B=2)  # --quick: QUICK_GRAPH_SIZE
 QUICK_GRAPH_SIZE = dict(n_layer=3, n_head=2, n_embd=16, T=16, B=2)
 # The share of tokens on the costly path: TSA's α ≈ 0.73 on Shakespeare; DTRNet routes ~10% of the
-# tokens to attention (its paper); conddepth's budget ρ; the hybrid's softmax layers in half.
-SHARES = {"tsa": 0.7, "dtrnet": 0.1, "conddepth": 0.5, "hybrid": 0.5}
+# tokens to attention (its paper); conddepth's budget ρ; the hybrid's softmax layers in half; MoD
+# runs 12.5% of the tokens in every other block (its paper's capacity, which training uses).
+SHARES = {"tsa": 0.7, "dtrnet": 0.1, "conddepth": 0.5, "hybrid": 0.5, "mod": 0.125}
 LONG_T = 4096  # DTRNet's long context (at the busy size; twice the size's T otherwise)
-ROUTERS = ("tsa", "dtrnet", "conddepth", "hybrid")
+ROUTERS = ("tsa", "dtrnet", "conddepth", "hybrid", "mod")
 
 
 def timeit(fns, device, repeats=10, warmup=3):
@@ -173,6 +174,9 @@ def set_share(suite, model, x, share):
         elif suite == "dtrnet":  # [g_attn, g_bypass] = softmax(z): attention where z_0 > z_1
             routers = [(b.router, lambda p: (p[..., 0].log() - p[..., 1].log()).flatten()[None],
                         b.router.w2) for b in model.blocks if hasattr(b, "router")]
+        elif suite == "mod":  # r = w·x (B, T, 1): the block runs where r > 0
+            routers = [(b.router, lambda r: r.flatten()[None], b.router)
+                       for b in model.blocks if hasattr(b, "router")]
         else:  # z (B, T, 2·nR): [GDN, softmax] per routed layer, softmax where z_1 > z_0
             routers = [(model.router, lambda z: (z[..., 1::2] - z[..., ::2]).flatten(0, -2).T,
                         model.router)]
@@ -186,6 +190,8 @@ def set_share(suite, model, x, share):
             q = torch.quantile(score(out[0]), 1 - share, dim=1)  # (decisions,); > 0: costly
             if suite == "tsa":
                 linear.bias += q
+            elif suite == "mod":
+                linear.bias -= q
             elif suite == "dtrnet":
                 linear.bias += torch.stack([-q[0], q[0]]) / 2
             else:

@@ -46,7 +46,7 @@ import common
 from common import NanorouteError
 
 MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "conddepth",
-          "hybrid": "hybrid_attn"}
+          "hybrid": "hybrid_attn", "mod": "mod"}
 # an out_dir with one of these holds a run
 RUN_FILES = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")
 OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")  # what --overwrite removes

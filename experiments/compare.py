@@ -47,6 +47,11 @@ RUNS = {  # name -> (model, flags): dense line first, then two operating points 
     "conddepth-rho0.25": ("conddepth", {"rho": 0.25, **FT, "controller_only": False}),
     # the control of both: the same dense checkpoint trained on for the same steps with the same flags
     "gpt-L6-ft": ("gpt", FT),
+    # MoD: its paper's point (12.5%, every other block) and DTRNet's baseline (70%, every block);
+    # isoflop: gpt-L6's training FLOPs: iters_x = dense / MoD training FLOPs per token (mod.py)
+    "mod-c12.5": ("mod", {"capacity": 0.125}),
+    "mod-c70-every": ("mod", {"capacity": 0.7, "every": 1}),
+    "mod-c12.5-isoflop": ("mod", {"capacity": 0.125, "iters_x": 1.7933}),
 }
 SEEDS = (1, 2)
 QUICK = dict(max_iters=6, eval_interval=6, eval_iters=2, warmup_iters=2)  # --quick: a smoke run of the pipeline
@@ -67,6 +72,8 @@ def train(name, seed, out, base, quick=False, device="auto"):
     model, flags = RUNS[name]
     d = run_dir(out, name, seed)
     flags = {**base, **flags, "seed": seed, "device": device, **(QUICK if quick else {})}
+    if "iters_x" in flags:  # a multiple of the budget's steps
+        flags["max_iters"] = round(flags["max_iters"] * flags.pop("iters_x"))
     if parent(name):
         flags["init_from"] = os.path.join(run_dir(out, parent(name), seed), "ckpt.pt")
     return train_run(d, [f"--model={model}", *(f"--{k}={v}" for k, v in flags.items())])
@@ -125,6 +132,9 @@ def inference_flops(model_name, module, cfg, ev, T):
         routed = [k for k in ev if k.startswith("gdn_frac_l")]
         soft = 1 - statistics.mean(ev[k] for k in routed) if routed else 0.0
         return module.flops_per_token(cfg, T, soft, sparse=True)
+    if model_name == "mod":
+        rho = [1 - ev[f"skip_l{i}"] for i, c in enumerate(cfg.pattern) if c == "R"]
+        return module.flops_per_token(cfg, T, rho)
     raise ValueError(model_name)
 
 
@@ -133,6 +143,8 @@ def memory_bytes(model_name, cfg, ev, T=1024, bytes_per=4):
     kv = 2 * T * cfg.n_embd * bytes_per  # one layer caching every token
     if model_name == "dtrnet":
         return sum(kv * (ev[f"frac_l{i}"] if c == "D" else 1.0) for i, c in enumerate(cfg.pattern))
+    if model_name == "mod":
+        return kv * sum(1 - ev[f"skip_l{i}"] if k == "R" else 1 for i, k in enumerate(cfg.pattern))
     if model_name == "hybrid":
         H, K = cfg.n_head, cfg.head_k
         V = cfg.gdn_expand_v * K

@@ -16,7 +16,9 @@ FLAGS = ("--dataset=shakespeare --n_layer=7 --n_head=4 --n_embd=96 --block_size=
 RUNS = {"bilayer": ["--model=dtrnet", "--layers=bilayer"],       # T D T D T D T, λ = 8e-4
         "dense": ["--model=gpt"],
         "skip": ["--model=dtrnet", "--layers=bilayer", "--variant=skip"],  # paper A3: D layers never attend
-        "trilayer": ["--model=dtrnet", "--layers=trilayer"]}     # T D D T D D T
+        "trilayer": ["--model=dtrnet", "--layers=trilayer"],     # T D D T D D T
+        # MoD at bilayer's inference FLOPs (0.911): C = 0.8 every other block is 0.903 (mod.py)
+        "mod-c80": ["--model=mod", "--capacity=0.8"]}
 
 
 def train(a):
@@ -44,9 +46,11 @@ def table(a):
                              f"({', '.join(RUNS)}, each _s<seed>); {hint}")
         ev, model = evals(os.path.join(root, d))[-1], json.load(open(os.path.join(root, d, "config.json")))["model"]
         layers = " ".join(f"L{k[10:]}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith("val_frac_l"))
-        frac, flops = ev.get("val_frac_attn", 1.0), ev.get("val_flops_ratio", 1.0)
+        frac = ev.get("val_frac_attn", 1 - ev.get("val_skipped", 0.0))  # MoD: the share run
+        flops = ev.get("val_flops_ratio", 1.0)
         rows.append([name, seed, f"{ev['val_loss']:.4f}", f"{ev['val_acc']:.4f}", f"{frac:.3f}", layers or "-",
-                     f"{flops:.3f}", f"{sparse_val(os.path.join(root, d)):.4f}" if model == "dtrnet" else "-"])
+                     f"{flops:.3f}", "-" if model not in ("dtrnet", "mod")
+                     else f"{sparse_val(os.path.join(root, d)):.4f}"])
         by.setdefault(name, []).append((ev["val_loss"], frac, flops))
     print(md_table(rows, ["run", "seed", "val loss", "val acc", "routed frac (mean D)", "per-D-layer routed frac",
                           "FLOPs ratio @256", "sparse-path val loss"]))

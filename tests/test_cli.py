@@ -554,7 +554,8 @@ def test_experiments_help(script, monkeypatch, capsys):
     assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: ")
 
 
-@pytest.mark.parametrize("script", ["tsa.py --help", "dtrnet.py", "conddepth.py", "hybrid_attn.py"])
+@pytest.mark.parametrize("script", ["tsa.py --help", "dtrnet.py", "conddepth.py", "hybrid_attn.py",
+                                    "mod.py"])
 def test_paper_file_output_into_a_closed_pipe_is_quiet(script):
     """`python conddepth.py | head -1`: a reader that stops early ends the command quietly, without
     a BrokenPipeError traceback (here the reader, `true`, reads nothing and exits at once)."""

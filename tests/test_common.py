@@ -319,7 +319,7 @@ def test_tsa_hard_phase_covering_the_whole_run_starts_at_hard_ft_lr():
 
 
 # Every model, tiny, built from a Config the way train.py builds it (flags as on its command line).
-TINY = {"gpt": [], "tsa": [], "dtrnet": ["--n_layer=3"], "conddepth": [], "hybrid": ["--n_layer=4"]}
+TINY = {"gpt": [], "tsa": [], "dtrnet": ["--n_layer=3"], "conddepth": [], "hybrid": ["--n_layer=4"], "mod": []}
 
 
 def tiny_model(name, *flags):
@@ -347,7 +347,7 @@ def decay_policy(model):
 @pytest.mark.parametrize("name,flags", [
     ("gpt", ["--bias=true"]), ("tsa", ["--bias=true"]), ("tsa", ["--variant=early_exit"]),
     ("dtrnet", ["--bias=true"]), ("conddepth", []), ("conddepth", ["--controller_only=false", "--gate=G1"]),
-    ("hybrid", ["--bias=true"])], ids=lambda v: v if isinstance(v, str) else "-".join(a[2:] for a in v) or "default")
+    ("hybrid", ["--bias=true"]), ("mod", ["--bias=true", "--predictor=mlp"])], ids=lambda v: v if isinstance(v, str) else "-".join(a[2:] for a in v) or "default")
 def test_adamw_decays_matrices_only_and_holds_every_trainable_parameter_once(name, flags):
     """Every trainable parameter is in exactly one group (the tied wte/lm_head weight once, frozen ones in
     none); the decayed group is exactly the matrices, at cfg.weight_decay; biases, norms, embeddings and
@@ -734,10 +734,10 @@ def test_cli_end_to_end_subprocess(data_dir, tmp_path):
     assert json.load(open(tmp_path / "config.json"))["n_layer"] == 1
     bad = subprocess.run([sys.executable, "train.py", "--model=nope"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "error: unknown model 'nope'; choose one of gpt, tsa, dtrnet, conddepth, hybrid")
+        "error: unknown model 'nope'; choose one of gpt, tsa, dtrnet, conddepth, hybrid, mod")
 
 
-@pytest.mark.parametrize("model", ["gpt", "tsa", "dtrnet", "conddepth", "hybrid"])
+@pytest.mark.parametrize("model", ["gpt", "tsa", "dtrnet", "conddepth", "hybrid", "mod"])
 def test_compile_trains_every_model_like_eager(model, data_dir, tmp_path):
     """--compile=true runs train.py end to end (train steps, a mode switch, evals, the summary's
     sparse pass) and gives eager's losses: a compile that breaks or changes a model fails here. What is
@@ -822,7 +822,7 @@ def test_bench_crossover_is_where_sparse_wins_from_then_on():
     assert row["B_T"] == "1x8/2x8/4x8/8x8" and row["speedups"] == "0.900/1.100/1.200/1.300" and row["mode"] == "m"
 
 
-@pytest.mark.parametrize("suite", ["tsa", "dtrnet", "conddepth", "hybrid"])
+@pytest.mark.parametrize("suite", ["tsa", "dtrnet", "conddepth", "hybrid", "mod"])
 def test_bench_paper_suites_quick_smoke(suite):
     """Every paper's benchmark runs and reports positive timings (numbers themselves go in results/)."""
     import bench
