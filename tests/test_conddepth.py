@@ -799,3 +799,90 @@ def test_compute_proxies_paper_dims():
     frac = 3980 / 20000  # labels from step 100, every 5, of 20k
     per_token = 4 + 4 * 80 / 2560 + 8 * 6  # dense pass + cheap forks + W × C(C−1)/2 later token-layers
     assert abs(cd.compute_vs_full(g3) - cd.compute_vs_full(a3g3) - frac * per_token / 4) < 1e-12
+
+
+# ---- values pinned where a one-line change shows -------------------------------------------------
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(oracle_gamma=1.5), "oracle_gamma"), (dict(oracle_gamma=-0.1), "oracle_gamma"),
+    (dict(label_every=0), "label_every"), (dict(lam_b=-1.0), "lam_b"), (dict(lam_a=-0.1), "lam_a"),
+    (dict(lam_jepa=-0.5), "lam_jepa"), (dict(lam_rank=-0.5), "lam_rank"),
+    (dict(n_controlled=0), "n_controlled"), (dict(p_min=-0.1), "p_min"), (dict(tau=-1.0), "tau"),
+    (dict(rho=-0.5), "rho"), (dict(gate="G1", n_embd=2, n_head=1), "G1's hidden width")])
+def test_every_range_is_refused_by_name(kw, name):
+    with pytest.raises(common.NanorouteError, match=name):
+        tiny(**kw)
+
+
+def test_range_edges_build_and_route():
+    for ok in (dict(rho=1.0), dict(n_controlled=3), dict(p_min=0.0), dict(oracle_gamma=0.0),
+               dict(oracle_gamma=1.0), dict(label_start=0), dict(g1_hidden=0), dict(lam_b=0.0),
+               dict(lam_jepa=0.0, lam_util=0.0, lam_rank=0.0, lam_a=0.0)):
+        tiny(**ok)
+    m = cd.Model(tiny(gate="G1", n_embd=2, n_head=1, g1_hidden=3))  # d // 4 = 0: g1_hidden routes
+    assert m.gates[0].w1.out_features == 3
+    assert cd.Model(tiny(gate="G1", n_embd=8, n_head=1)).gates[0].w1.out_features == 2
+
+
+@pytest.mark.parametrize("max_iters, start, every, want", [
+    (10, 3, 4, [3, 7]), (10, 0, 3, [0, 3, 6, 9]), (10, 10, 5, []), (10, 12, 5, []),
+    (11, 1, 5, [1, 6]), (10, 9, 100, [9])])
+def test_label_steps_at_the_schedule_edges_and_the_compute_proxy_counts_them(max_iters, start,
+                                                                             every, want):
+    """train.py trains steps 0..max_iters−1: the label steps are start, start + every, … below
+    max_iters (a start at 0, past the run, an interval that does not divide the run); §4's
+    training proxy counts exactly these."""
+    cfg = tiny(max_iters=max_iters, label_start=start, label_every=every)
+    m = cd.Model(cfg)
+    steps = []
+    for it in range(max_iters):
+        m.on_step(it)
+        steps += [it] * m.label_now
+    assert steps == want
+    no_labels = cd.compute_vs_full(tiny(max_iters=max_iters, recipe="A3-G3"))
+    cheap = cfg.cheap_rank / (4 * cfg.n_embd)
+    per_label = (2 + 2 * cheap + cfg.oracle_window * 2 * 1 / 2) / 2  # C = 2
+    assert cd.compute_vs_full(cfg) - no_labels == pytest.approx(len(want) / max_iters * per_label,
+                                                                abs=1e-12)
+    m = cd.Model(tiny(max_iters=max_iters, label_start=start, label_every=every, recipe="A3-G3"))
+    m.on_step(start)
+    assert not m.label_now  # no oracle loss: no label step
+
+
+def test_jepa_target_runs_in_fp32_under_bf16_autocast():
+    """Eq. (14)'s z = T(h*) in fp32 under autocast (a bf16 T moves the loss by ~1e-3)."""
+    torch.manual_seed(0)
+    target = torch.nn.Linear(64, 32, bias=False)
+    torch.nn.init.orthogonal_(target.weight)
+    qf, qc = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    hf, hc = torch.randn(2, 8, 64) * 10, torch.randn(2, 8, 64) * 10
+    want = cd.jepa_terms(target, qf, qc, hf, hc, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cd.jepa_terms(target, qf, qc, hf, hc, False)
+    assert all(torch.allclose(g, w, atol=1e-6, rtol=0) for g, w in zip(got, want))
+    z = hf @ target.weight.T  # eq. (14) by hand, plus the diagnostics
+    cos = F.cosine_similarity
+    loss = (2 - cos(qf, z, dim=-1) - cos(qc, hc @ target.weight.T, dim=-1)).mean()
+    assert want[0].item() == pytest.approx(loss.item(), rel=1e-5)
+    assert want[1].item() == pytest.approx((qf - qc).norm(dim=-1).mean().item(), rel=1e-6)
+    assert want[2].item() == pytest.approx(cos(qf, qc, dim=-1).mean().item(), rel=1e-6)
+
+
+def test_threshold_average_constants():
+    """θ's running average: the mean of the first batches (β = 1/(n+1)), then β = 0.05 from the
+    21st batch on (THRESHOLD_EMA)."""
+    assert cd.THRESHOLD_EMA == 0.05
+    m = make().train()
+    cuts = []
+    hook = lambda mod, inp, out: cuts.append(out[0].detach())  # noqa: E731
+    m.gates[0].register_forward_hook(hook)
+    theta = None
+    for s in range(22):
+        cuts.clear()
+        with torch.no_grad():
+            m(data(B=2, seed=s)[0])
+        k = cd.budget_k(m.cfg.rho, 32)
+        cut = cuts[0].flatten().topk(2 * k + 1).values[-2:].mean()
+        beta = max(1 / (s + 1), 0.05)
+        theta = cut if s == 0 else theta + beta * (cut - theta)
+        assert m.thresholds[0].item() == pytest.approx(theta.item(), rel=1e-9)
