@@ -891,3 +891,48 @@ def test_kv_cache_bytes_by_value():
     _, state = m.prefill(torch.zeros(2, 10, dtype=torch.long))
     per_token = 2 * 4 * 8 * 8  # K and V, nh = 4, hs = 8
     assert dtrnet.kv_cache_bytes(state) == ((2 * 2 * 64 + 2 * 8) * per_token, 4 * 2 * 64 * per_token)
+
+
+def test_main_in_process(capsys):
+    """dtrnet.main itself (the module CLI test runs a fresh copy of the file)."""
+    for args in ([], ["-h"], ["--help"]):
+        dtrnet.main(args)
+        out = capsys.readouterr().out
+        assert out == ("usage: python dtrnet.py [-h]\nDefines the DTRNet model (no commands): train "
+                       "it with `python train.py --model dtrnet`, time it with `python bench.py "
+                       "dtrnet`.\n")
+    with pytest.raises(common.NanorouteError, match=r"^dtrnet.py takes no arguments, got 'a b'$"):
+        dtrnet.main(["a", "b"])
+
+
+def test_each_mode_takes_its_attention_path(monkeypatch):
+    """Training and sparse=True attend packed (the routed tokens only); eval() without sparse is
+    the masked reference; sparse=True in training is refused by name."""
+    calls = []
+    for name in ("attend_packed", "attend_masked"):
+        orig = getattr(dtrnet.DTRBlock, name)
+        monkeypatch.setattr(dtrnet.DTRBlock, name,
+                            lambda self, *a, _o=orig, _n=name: calls.append(_n) or _o(self, *a))
+    m, x = make(), torch.randint(0, 50, (2, 16))
+    for mode, sparse, want in (("train", False, "attend_packed"), ("eval", False, "attend_masked"),
+                               ("eval", True, "attend_packed")):
+        calls.clear()
+        getattr(m, mode)()(x, sparse=sparse)
+        assert calls == [want] * 2, (mode, sparse, calls)
+    with pytest.raises(common.NanorouteError,
+                       match=r"^sparse=True is an inference path: call model.eval\(\) first$"):
+        m.train()(x, sparse=True)
+
+
+def test_no_targets_no_loss_and_a_dense_pattern_adds_no_routing_loss():
+    m, x = make(lam=0.5).eval(), torch.randint(0, 50, (2, 16))
+    assert m(x)[1] is None
+    dense = make(layers="TTTT", lam=0.5).eval()
+    _, loss, st = dense(x, x)
+    assert loss.item() == st["lm_loss"].item() and "route_loss" not in st
+
+
+def test_router_params_at_an_odd_width():
+    cfg = dtrnet.Config(n_layer=3, n_head=3, n_embd=33, bias=True)
+    assert dtrnet.router_params(cfg) == 33 * 16 + 16 * 2 + 18
+    assert dtrnet.router_params(cfg) == sum(p.numel() for p in dtrnet.Router(cfg).parameters())
