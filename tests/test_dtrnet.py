@@ -936,3 +936,27 @@ def test_router_params_at_an_odd_width():
     cfg = dtrnet.Config(n_layer=3, n_head=3, n_embd=33, bias=True)
     assert dtrnet.router_params(cfg) == 33 * 16 + 16 * 2 + 18
     assert dtrnet.router_params(cfg) == sum(p.numel() for p in dtrnet.Router(cfg).parameters())
+
+
+def test_config_refusals_word_for_word():
+    base = dict(n_layer=4, n_head=4, n_embd=32)
+    for kw, msg in ((dict(variant="mod"), "variant='mod': choose one of dtrnet, skip, no_vo"),
+                    (dict(norm="bn"), "norm='bn': choose one of layernorm, rmsnorm"),
+                    (dict(lam=-1.0), "lam (λ) must be >= 0, got -1.0"),
+                    (dict(n_embd=1, n_head=1), "n_embd=1 is too small for a d → d/2 router")):
+        with pytest.raises(common.NanorouteError) as e:
+            dtrnet.Config(**{**base, **kw})
+        assert str(e.value) == msg
+
+
+def test_eval_applies_no_dropout_and_a_block_defaults_to_the_reference():
+    """eval() is deterministic at dropout 0.5 (mix() passes self.training); DTRBlock(x) alone is the
+    masked reference."""
+    m, x = make(dropout=0.5).eval(), torch.randint(0, 50, (2, 16))
+    assert torch.equal(m(x)[0], m(x)[0])
+    b, h = d_blocks(m)[0], m.embed(x)
+    assert torch.equal(b(h)[0], b(h, packed=False)[0])
+    calls = []
+    b.attend_packed = lambda *a: calls.append(1)
+    b(h)
+    assert not calls
