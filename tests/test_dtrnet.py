@@ -821,6 +821,8 @@ def test_router_decides_in_fp32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = r(x)
     assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-6, rtol=0)
+    xb = x.bfloat16()  # "at least fp32": a bf16 input is promoted, not multiplied in bf16
+    assert torch.equal(r(xb), r(xb.float()))
 
 
 def test_rmsnorm_eps_pinned_at_a_scale_where_it_matters():
