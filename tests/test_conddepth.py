@@ -886,3 +886,34 @@ def test_threshold_average_constants():
         beta = max(1 / (s + 1), 0.05)
         theta = cut if s == 0 else theta + beta * (cut - theta)
         assert m.thresholds[0].item() == pytest.approx(theta.item(), rel=1e-9)
+
+
+@pytest.mark.parametrize("lam_util, lam_rank, labels", [
+    (0.5, 0.0, True), (0.0, 0.5, True), (0.0, 0.0, False), (2.0, 0.0, True)])
+def test_either_oracle_loss_alone_asks_for_labels(lam_util, lam_rank, labels):
+    m = cd.Model(tiny(lam_util=lam_util, lam_rank=lam_rank, label_start=0, label_every=1))
+    m.on_step(3)
+    assert m.label_now == labels
+
+
+def test_eval_stats_by_value_at_T_unequal_d():
+    """T = 16, d = 32 (a T read as d changes the FLOPs); every statistic named and valued: the
+    FLOPs, skipped = 1 − full_ratio, gate_prob = mean p, util_var the population variance of u."""
+    m = calibrated(make(gate="G3", block_size=16)).eval()  # θ from training: some tokens full
+    x, y = data(B=2, T=16)
+    scores = []
+    for g in m.gates:
+        g.register_forward_hook(lambda mod, inp, out: scores.append(out[0].detach()))
+    st = m(x, y)[2]
+    full = torch.stack([mk.double().mean() for mk in m.last_masks])
+    assert 0.1 < full.mean() < 0.9
+    want = cd.flops_per_token(m.cfg, 16, full) / common.dense_flops_per_token(m.cfg, 16)
+    assert st["flops_saved_hard"].item() == pytest.approx(1 - want.item(), rel=1e-6)
+    assert st["skipped"].item() == pytest.approx(1 - st["full_ratio"].item())
+    scores = scores[:2]  # the routed pass (eval runs a top-k pass after it for soft_loss)
+    p = [torch.sigmoid(u / m.cfg.tau).mean() for u in scores]
+    assert st["gate_prob"].item() == pytest.approx(torch.stack(p).mean().item(), rel=1e-9)
+    var = torch.stack([u.var(correction=0) for u in scores]).mean()
+    assert st["util_var"].item() == pytest.approx(var.item(), rel=1e-9)
+    for k in ("qf_qc_l2", "qf_qc_cos", "jepa"):
+        assert torch.is_tensor(st[k]) and torch.isfinite(st[k])

@@ -797,3 +797,12 @@ def test_flops_gdn_by_value():
     for s in (0.0, 0.3, 1.0):  # skipped: the GDN share; flops_per_token takes the softmax share
         want = 1 - H.flops_per_token(cfg, 32, 1 - s, sparse=True) / common.dense_flops_per_token(cfg, 32)
         assert H.flops_saved(cfg, 32, torch.tensor(s), "cpu").item() == pytest.approx(want, rel=1e-6)
+
+
+def test_temperature_schedule_from_a_start_other_than_1():
+    m = H.Model(tiny(max_iters=4, tau_start=2.0, tau_end=0.5))
+    m.on_step(2)
+    assert m.tau.item() == pytest.approx(2.0 * 0.25 ** 0.5, rel=1e-6)
+    m = H.Model(tiny(max_iters=1, tau_start=2.0, tau_end=0.5))  # a 1-step run ends at tau_end
+    m.on_step(1)
+    assert m.tau.item() == pytest.approx(0.5, rel=1e-6)

@@ -909,3 +909,17 @@ def test_exit_flops_by_value():
     for a in (0.0, 0.25, 1.0):
         want = kv + per_query + ffn + 3 * (kv + a * (per_query + ffn) + head * (1 + 2 * a) / 3) + head
         assert tsa.flops_per_token(cfg, 16, a, "exit") == pytest.approx(want, rel=1e-12)
+
+
+def test_one_step_phase_and_no_phase():
+    """hard_ft_iters = 1: only the last step is straight-through, its lr hard_ft_lr, then min_lr at
+    max_iters; hard_ft_iters = 0: never, at any step."""
+    m = make(max_iters=10, hard_ft_iters=1, hard_ft_lr=1e-2, min_lr=1e-4)
+    m.on_step(9)
+    assert m.hard_train and m.lr_at(9) == 1e-2 and m.lr_at(10) == pytest.approx(1e-4)
+    m.on_step(8)
+    assert not m.hard_train
+    m = make(max_iters=10, hard_ft_iters=0)
+    for it in (0, 9, 10):
+        m.on_step(it)
+        assert not m.hard_train
