@@ -917,3 +917,12 @@ def test_eval_stats_by_value_at_T_unequal_d():
     assert st["util_var"].item() == pytest.approx(var.item(), rel=1e-9)
     for k in ("qf_qc_l2", "qf_qc_cos", "jepa"):
         assert torch.is_tensor(st[k]) and torch.isfinite(st[k])
+
+
+def test_budget_rounds_at_six_digits_and_the_controller_promotes_bf16():
+    """k = ⌈ρT⌉ after rounding ρT to 6 decimals: 3.0000001 is 3 (float noise), 3.00001 is 4; a bf16
+    input to the controller is promoted to fp32 (decisions in fp32)."""
+    assert cd.budget_k(0.30000001, 10) == 3 and cd.budget_k(0.300001, 10) == 4
+    m = make(dtype=torch.float32)
+    a = torch.randn(2, 8, 32).bfloat16()
+    assert torch.equal(m.controller(0, a)[0], m.controller(0, a.float())[0])

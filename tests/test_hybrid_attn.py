@@ -806,3 +806,19 @@ def test_temperature_schedule_from_a_start_other_than_1():
     m = H.Model(tiny(max_iters=1, tau_start=2.0, tau_end=0.5))  # a 1-step run ends at tau_end
     m.on_step(1)
     assert m.tau.item() == pytest.approx(0.5, rel=1e-6)
+
+
+def test_forced_routes_report_the_routers_probabilities_and_eval_routes_carry_no_gradient():
+    """Forced routes (benchmarks): the balance loss reads softmax(z) over the two mixers; eval's
+    weights are the one-hot decisions themselves (no straight-through term, no gradient)."""
+    torch.manual_seed(0)
+    m = H.Model(tiny()).eval()
+    with torch.no_grad():
+        m.router.weight.normal_(0, 1.0)
+    h0 = torch.randn(2, 16, 32)
+    y, probs, hard = m.route(h0)
+    assert not y.requires_grad and torch.equal(y, hard)
+    m.forced_route = torch.rand(2, 16, 2) < 0.5
+    y, probs, hard = m.route(h0)
+    assert torch.allclose(probs, m.logits(h0).softmax(-1)) and torch.equal(hard[..., 1].bool(),
+                                                                           m.forced_route)
