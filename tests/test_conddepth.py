@@ -926,3 +926,9 @@ def test_budget_rounds_at_six_digits_and_the_controller_promotes_bf16():
     m = make(dtype=torch.float32)
     a = torch.randn(2, 8, 32).bfloat16()
     assert torch.equal(m.controller(0, a)[0], m.controller(0, a.float())[0])
+
+
+def test_training_proxy_counts_labels_for_either_oracle_loss():
+    base = cd.compute_vs_full(tiny(recipe="A3-G3"))
+    assert cd.compute_vs_full(tiny(lam_util=1.0, lam_rank=0.0)) > base
+    assert cd.compute_vs_full(tiny(lam_util=0.0, lam_rank=0.2)) > base

@@ -822,3 +822,13 @@ def test_forced_routes_report_the_routers_probabilities_and_eval_routes_carry_no
     y, probs, hard = m.route(h0)
     assert torch.allclose(probs, m.logits(h0).softmax(-1)) and torch.equal(hard[..., 1].bool(),
                                                                            m.forced_route)
+
+
+def test_config_refusals_word_for_word():
+    with pytest.raises(NanorouteError) as e:
+        tiny(pattern="G X Y S")
+    assert str(e.value) == ("pattern 'G X Y S': unknown layer 'X'; use G (GDN), R (routed), "
+                            "S (softmax)")
+    with pytest.raises(NanorouteError) as e:
+        tiny(tau_start=0.0)
+    assert str(e.value) == "Gumbel temperatures must be > 0, got tau_start=0.0, tau_end=0.5"

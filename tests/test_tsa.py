@@ -871,6 +871,7 @@ def test_gate_by_value_at_the_halting_edge():
     scaled, paper = make(hard_variant="scaled"), make(hard_variant="01")
     assert scaled.gate(p, "hard").tolist() == [0.75, 0.5, 0.0, 0.0]
     assert paper.gate(p, "hard").tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert paper.gate(p, "hard").dtype == scaled.gate(p, "hard").dtype == torch.float64
     assert torch.allclose(scaled.gate(p, "soft"), 1 - p)
     st = paper.gate(p, "hard_st")
     assert st.tolist() == [1.0, 1.0, 0.0, 0.0]
@@ -923,3 +924,10 @@ def test_one_step_phase_and_no_phase():
     for it in (0, 9, 10):
         m.on_step(it)
         assert not m.hard_train
+
+
+def test_flops_defaults():
+    """flops_per_token(cfg, T) is the dense GPT; α defaults to 1 (every routed block runs)."""
+    cfg = tiny()
+    assert tsa.flops_per_token(cfg, 32) == common.dense_flops_per_token(cfg, 32)
+    assert tsa.flops_per_token(cfg, 32, mode="ffn") == tsa.flops_per_token(cfg, 32, 1.0, "ffn")
