@@ -117,6 +117,9 @@ class Config(common.Config):
         for k, (good, want) in ok.items():
             if not good:
                 raise NanorouteError(f"{k} must be {want}, got {getattr(self, k)!r}")
+        if self.gate == "G1" and not (self.g1_hidden or self.n_embd // 4):  # W1: d → 0, u constant
+            raise NanorouteError(f"G1's hidden width n_embd // 4 is 0 at n_embd={self.n_embd}: "
+                                 "set g1_hidden >= 1 or n_embd >= 4")
 
 
 PRESETS = {"paper": dict(n_layer=12, n_embd=640, n_head=10, block_size=256, n_controlled=4,

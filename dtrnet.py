@@ -49,8 +49,7 @@ def layer_pattern(spec, n_layer):
     presets = {"bilayer": lambda i: "TD"[i % 2], "trilayer": lambda i: "TDD"[i % 3],
                "laterhalf": lambda i: "T" if i < n_layer // 2 else "D"}
     if spec in presets:
-        p = "".join(presets[spec](i) for i in range(n_layer))
-        return p[:-1] + "T" if n_layer > 1 else p
+        return "".join(presets[spec](i) for i in range(n_layer))[:-1] + "T"
     if not spec or set(spec) - set("TD"):
         raise NanorouteError(f"layers={spec!r}: use bilayer, trilayer, laterhalf or a string of "
                              "T and D")
@@ -111,7 +110,8 @@ COMPILE_REFUSED = {"cuda": "`python train.py --model=dtrnet --n_layer=4 --n_embd
 # Router, eqs. (1)-(2)
 
 class Router(nn.Module):
-    """Eq. (1): a two-layer MLP on the residual stream -> [g_attn, g_bypass], at least in fp32."""
+    """Eq. (1): a two-layer MLP on the residual stream -> [g_attn, g_bypass], at least in fp32
+    (autocast off: the decision does not depend on the dtype the blocks run in)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -119,8 +119,9 @@ class Router(nn.Module):
         self.w2 = nn.Linear(cfg.n_embd // 2, 2, bias=cfg.bias)  # W2: d/2 × 2
 
     def forward(self, x):
-        z = self.w2(F.silu(self.w1(x)))  # (B, T, 2) logits
-        return F.softmax(z, dim=-1, dtype=torch.promote_types(z.dtype, torch.float32))
+        with torch.autocast(x.device.type, enabled=False):
+            z = self.w2(F.silu(self.w1(x.to(torch.promote_types(x.dtype, torch.float32)))))
+            return F.softmax(z, dim=-1)  # (B, T, 2)
 
 
 def router_params(cfg):

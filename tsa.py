@@ -152,11 +152,13 @@ class Model(common.LM):
                               and it == max(start, 0))
 
     def lr_at(self, it):
-        """train.py's lr at step it: common's, or (hard_ft_lr > 0) a fresh cosine over the phase."""
-        cfg, start = self.cfg, self.cfg.max_iters - self.cfg.hard_ft_iters
+        """train.py's lr at step it: common's, or (hard_ft_lr > 0) a fresh cosine over the phase
+        (a phase longer than the run starts at step 0, at hard_ft_lr)."""
+        cfg, start = self.cfg, max(self.cfg.max_iters - self.cfg.hard_ft_iters, 0)
         if not (cfg.hard_ft_lr and cfg.hard_ft_iters and it >= start):
             return common.lr_at(it, cfg)
-        return common.cosine((it - start) / cfg.hard_ft_iters, cfg.hard_ft_lr, cfg.min_lr)
+        ratio = (it - start) / max(1, cfg.max_iters - start)
+        return common.cosine(ratio, cfg.hard_ft_lr, cfg.min_lr)
 
     def gate(self, p, mode):
         """p (B, T, 1) -> the gate of the next block's deltas: soft (eqs. 3–4), hard (§3.6) or

@@ -799,3 +799,136 @@ def test_compute_proxies_paper_dims():
     frac = 3980 / 20000  # labels from step 100, every 5, of 20k
     per_token = 4 + 4 * 80 / 2560 + 8 * 6  # dense pass + cheap forks + W × C(C−1)/2 later token-layers
     assert abs(cd.compute_vs_full(g3) - cd.compute_vs_full(a3g3) - frac * per_token / 4) < 1e-12
+
+
+# ---- values pinned where a one-line change shows -------------------------------------------------
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(oracle_gamma=1.5), "oracle_gamma"), (dict(oracle_gamma=-0.1), "oracle_gamma"),
+    (dict(label_every=0), "label_every"), (dict(lam_b=-1.0), "lam_b"), (dict(lam_a=-0.1), "lam_a"),
+    (dict(lam_jepa=-0.5), "lam_jepa"), (dict(lam_rank=-0.5), "lam_rank"),
+    (dict(n_controlled=0), "n_controlled"), (dict(p_min=-0.1), "p_min"), (dict(tau=-1.0), "tau"),
+    (dict(rho=-0.5), "rho"), (dict(gate="G1", n_embd=2, n_head=1), "G1's hidden width")])
+def test_every_range_is_refused_by_name(kw, name):
+    with pytest.raises(common.NanorouteError, match=name):
+        tiny(**kw)
+
+
+def test_range_edges_build_and_route():
+    for ok in (dict(rho=1.0), dict(n_controlled=3), dict(p_min=0.0), dict(oracle_gamma=0.0),
+               dict(oracle_gamma=1.0), dict(label_start=0), dict(g1_hidden=0), dict(lam_b=0.0),
+               dict(lam_jepa=0.0, lam_util=0.0, lam_rank=0.0, lam_a=0.0)):
+        tiny(**ok)
+    m = cd.Model(tiny(gate="G1", n_embd=2, n_head=1, g1_hidden=3))  # d // 4 = 0: g1_hidden routes
+    assert m.gates[0].w1.out_features == 3
+    assert cd.Model(tiny(gate="G1", n_embd=8, n_head=1)).gates[0].w1.out_features == 2
+
+
+@pytest.mark.parametrize("max_iters, start, every, want", [
+    (10, 3, 4, [3, 7]), (10, 0, 3, [0, 3, 6, 9]), (10, 10, 5, []), (10, 12, 5, []),
+    (11, 1, 5, [1, 6]), (10, 9, 100, [9])])
+def test_label_steps_at_the_schedule_edges_and_the_compute_proxy_counts_them(max_iters, start,
+                                                                             every, want):
+    """train.py trains steps 0..max_iters−1: the label steps are start, start + every, … below
+    max_iters (a start at 0, past the run, an interval that does not divide the run); §4's
+    training proxy counts exactly these."""
+    cfg = tiny(max_iters=max_iters, label_start=start, label_every=every)
+    m = cd.Model(cfg)
+    steps = []
+    for it in range(max_iters):
+        m.on_step(it)
+        steps += [it] * m.label_now
+    assert steps == want
+    no_labels = cd.compute_vs_full(tiny(max_iters=max_iters, recipe="A3-G3"))
+    cheap = cfg.cheap_rank / (4 * cfg.n_embd)
+    per_label = (2 + 2 * cheap + cfg.oracle_window * 2 * 1 / 2) / 2  # C = 2
+    assert cd.compute_vs_full(cfg) - no_labels == pytest.approx(len(want) / max_iters * per_label,
+                                                                abs=1e-12)
+    m = cd.Model(tiny(max_iters=max_iters, label_start=start, label_every=every, recipe="A3-G3"))
+    m.on_step(start)
+    assert not m.label_now  # no oracle loss: no label step
+
+
+def test_jepa_target_runs_in_fp32_under_bf16_autocast():
+    """Eq. (14)'s z = T(h*) in fp32 under autocast (a bf16 T moves the loss by ~1e-3)."""
+    torch.manual_seed(0)
+    target = torch.nn.Linear(64, 32, bias=False)
+    torch.nn.init.orthogonal_(target.weight)
+    qf, qc = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    hf, hc = torch.randn(2, 8, 64) * 10, torch.randn(2, 8, 64) * 10
+    want = cd.jepa_terms(target, qf, qc, hf, hc, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cd.jepa_terms(target, qf, qc, hf, hc, False)
+    assert all(torch.allclose(g, w, atol=1e-6, rtol=0) for g, w in zip(got, want))
+    z = hf @ target.weight.T  # eq. (14) by hand, plus the diagnostics
+    cos = F.cosine_similarity
+    loss = (2 - cos(qf, z, dim=-1) - cos(qc, hc @ target.weight.T, dim=-1)).mean()
+    assert want[0].item() == pytest.approx(loss.item(), rel=1e-5)
+    assert want[1].item() == pytest.approx((qf - qc).norm(dim=-1).mean().item(), rel=1e-6)
+    assert want[2].item() == pytest.approx(cos(qf, qc, dim=-1).mean().item(), rel=1e-6)
+
+
+def test_threshold_average_constants():
+    """θ's running average: the mean of the first batches (β = 1/(n+1)), then β = 0.05 from the
+    21st batch on (THRESHOLD_EMA)."""
+    assert cd.THRESHOLD_EMA == 0.05
+    m = make().train()
+    cuts = []
+    hook = lambda mod, inp, out: cuts.append(out[0].detach())  # noqa: E731
+    m.gates[0].register_forward_hook(hook)
+    theta = None
+    for s in range(22):
+        cuts.clear()
+        with torch.no_grad():
+            m(data(B=2, seed=s)[0])
+        k = cd.budget_k(m.cfg.rho, 32)
+        cut = cuts[0].flatten().topk(2 * k + 1).values[-2:].mean()
+        beta = max(1 / (s + 1), 0.05)
+        theta = cut if s == 0 else theta + beta * (cut - theta)
+        assert m.thresholds[0].item() == pytest.approx(theta.item(), rel=1e-9)
+
+
+@pytest.mark.parametrize("lam_util, lam_rank, labels", [
+    (0.5, 0.0, True), (0.0, 0.5, True), (0.0, 0.0, False), (2.0, 0.0, True)])
+def test_either_oracle_loss_alone_asks_for_labels(lam_util, lam_rank, labels):
+    m = cd.Model(tiny(lam_util=lam_util, lam_rank=lam_rank, label_start=0, label_every=1))
+    m.on_step(3)
+    assert m.label_now == labels
+
+
+def test_eval_stats_by_value_at_T_unequal_d():
+    """T = 16, d = 32 (a T read as d changes the FLOPs); every statistic named and valued: the
+    FLOPs, skipped = 1 − full_ratio, gate_prob = mean p, util_var the population variance of u."""
+    m = calibrated(make(gate="G3", block_size=16)).eval()  # θ from training: some tokens full
+    x, y = data(B=2, T=16)
+    scores = []
+    for g in m.gates:
+        g.register_forward_hook(lambda mod, inp, out: scores.append(out[0].detach()))
+    st = m(x, y)[2]
+    full = torch.stack([mk.double().mean() for mk in m.last_masks])
+    assert 0.1 < full.mean() < 0.9
+    want = cd.flops_per_token(m.cfg, 16, full) / common.dense_flops_per_token(m.cfg, 16)
+    assert st["flops_saved_hard"].item() == pytest.approx(1 - want.item(), rel=1e-6)
+    assert st["skipped"].item() == pytest.approx(1 - st["full_ratio"].item())
+    scores = scores[:2]  # the routed pass (eval runs a top-k pass after it for soft_loss)
+    p = [torch.sigmoid(u / m.cfg.tau).mean() for u in scores]
+    assert st["gate_prob"].item() == pytest.approx(torch.stack(p).mean().item(), rel=1e-9)
+    var = torch.stack([u.var(correction=0) for u in scores]).mean()
+    assert st["util_var"].item() == pytest.approx(var.item(), rel=1e-9)
+    for k in ("qf_qc_l2", "qf_qc_cos", "jepa"):
+        assert torch.is_tensor(st[k]) and torch.isfinite(st[k])
+
+
+def test_budget_rounds_at_six_digits_and_the_controller_promotes_bf16():
+    """k = ⌈ρT⌉ after rounding ρT to 6 decimals: 3.0000001 is 3 (float noise), 3.00001 is 4; a bf16
+    input to the controller is promoted to fp32 (decisions in fp32)."""
+    assert cd.budget_k(0.30000001, 10) == 3 and cd.budget_k(0.300001, 10) == 4
+    m = make(dtype=torch.float32)
+    a = torch.randn(2, 8, 32).bfloat16()
+    assert torch.equal(m.controller(0, a)[0], m.controller(0, a.float())[0])
+
+
+def test_training_proxy_counts_labels_for_either_oracle_loss():
+    base = cd.compute_vs_full(tiny(recipe="A3-G3"))
+    assert cd.compute_vs_full(tiny(lam_util=1.0, lam_rank=0.0)) > base
+    assert cd.compute_vs_full(tiny(lam_util=0.0, lam_rank=0.2)) > base

@@ -790,3 +790,175 @@ def test_module_cli_help_and_refusal(monkeypatch, capsys):
             assert "usage:" in out and "train.py --model dtrnet" in out and not err
         else:
             assert not out and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+# ---- values pinned where a one-line change shows -------------------------------------------------
+
+@pytest.mark.parametrize("spec, n, want", [
+    ("bilayer", 1, "T"), ("bilayer", 2, "TT"), ("bilayer", 5, "TDTDT"), ("bilayer", 6, "TDTDTT"),
+    ("trilayer", 7, "TDDTDDT"), ("trilayer", 5, "TDDTT"), ("laterhalf", 1, "T"),
+    ("laterhalf", 7, "TTTDDDT"), ("laterhalf", 6, "TTTDDT"), ("TDDT", 4, "TDDT")])
+def test_layer_patterns_by_value(spec, n, want):
+    """Odd n_layer (n // 2 vs n / 2), n_layer 1 and 2 (the last layer forced to T)."""
+    assert dtrnet.layer_pattern(spec, n) == want
+
+
+def test_sizes_too_small_to_route_are_refused_and_the_smallest_builds():
+    with pytest.raises(common.NanorouteError, match="too small for a d → d/2 router"):
+        dtrnet.Config(n_layer=3, n_head=1, n_embd=1)
+    assert dtrnet.Config(n_layer=3, n_head=1, n_embd=2, lam=0.0).lam == 0.0  # the edges are valid
+    m = dtrnet.Model(dtrnet.Config(n_layer=3, n_head=1, n_embd=2, block_size=8, vocab_size=5))
+    assert m(torch.zeros(1, 8, dtype=torch.long))[0].shape == (1, 8, 5)
+
+
+def test_router_decides_in_fp32_under_bf16_autocast():
+    """Eq. (1) under CPU bf16 autocast equals its fp32 computation (a bf16 matmul differs by ~1e-2)."""
+    torch.manual_seed(0)
+    r = dtrnet.Router(dtrnet.Config(n_layer=3, n_head=4, n_embd=64))
+    nn.init.normal_(r.w2.weight, 0.0, 1.0)
+    x = torch.randn(2, 16, 64)
+    want = r(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = r(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-6, rtol=0)
+    xb = x.bfloat16()  # "at least fp32": a bf16 input is promoted, not multiplied in bf16
+    assert torch.equal(r(xb), r(xb.float()))
+
+
+def test_rmsnorm_eps_pinned_at_a_scale_where_it_matters():
+    """The paper preset's RMSNorm: ε = 1e-5, seen on inputs with mean square ~1e-6 (ε 1e-6 or 1e-8
+    changes the output by > 30%)."""
+    m = make(norm="rmsnorm", dtype=torch.float32)
+    norms = [mod for mod in m.modules() if isinstance(mod, nn.RMSNorm)]
+    assert len(norms) == 2 * len(m.blocks) + 1 and not any(isinstance(mod, nn.LayerNorm)
+                                                           for mod in m.modules())
+    x = 1e-3 * torch.randn(4, 32)
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    for n in norms:
+        assert torch.allclose(n(x), want, rtol=1e-5, atol=0)
+
+
+def test_init_scales_pinned():
+    """common.LM's init on a D layer: router and Q/K/V N(0, 0.02), W_O N(0, 0.02/√(2L)), biases 0."""
+    torch.manual_seed(0)
+    m = dtrnet.Model(dtrnet.Config(n_layer=4, n_head=4, n_embd=256, layers="TDDT", bias=True))
+    b = d_blocks(m)[0]
+    for w, std in ((b.router.w1.weight, 0.02), (b.router.w2.weight, 0.02),
+                   (b.attn.c_attn.weight, 0.02), (b.attn.c_proj.weight, 0.02 / 8 ** 0.5)):
+        assert w.std().item() == pytest.approx(std, rel=0.1 if w.numel() < 1000 else 0.02)
+    assert not b.router.w1.bias.any() and not b.router.w2.bias.any()
+
+
+def test_routing_loss_by_value():
+    """Eq. (7): α_l = f_l / Σ f from the hard counts, without gradient; 0 when nothing is routed."""
+    g = torch.tensor([0.2, 0.6], requires_grad=True)
+    f = torch.tensor([0.25, 0.75], requires_grad=True)
+    loss = dtrnet.routing_loss(g, f)
+    assert loss.item() == pytest.approx(0.25 * 0.2 + 0.75 * 0.6, abs=1e-7)
+    loss.backward()
+    assert f.grad is None and torch.allclose(g.grad, torch.tensor([0.25, 0.75]))
+    assert dtrnet.routing_loss(g, torch.zeros(2)).item() == 0.0
+    assert dtrnet.routing_loss(g, torch.tensor([1e-9, 0.0])).item() == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("T, counts, want", [
+    (200, [65, 3], 128), (200, [64, 0], 64), (200, [0, 0], 64), (200, [1, 0], 64),
+    (100, [65, 0], 100), (40, [0, 0], 40), (40, [3, 1], 40), (256, [129, 256], 256)])
+def test_pack_length_rounds_up_to_the_bucket(T, counts, want):
+    delta = torch.zeros(len(counts), T, dtype=torch.bool)
+    for row, c in enumerate(counts):
+        delta[row, :c] = True
+    assert dtrnet.pack_length(delta) == want
+
+
+def test_flops_terms_by_value():
+    """d = 32, V = 50, T D D T, T = 64 (mean context 32.5, not an integer), by hand: dense layer
+    6144 + 2048 + 16384 + 4160 = 28736; D layer's fixed part 1088 (router) + 2048 (V) + 2048 (W_O)
+    + 16384; head 3200."""
+    cfg = dtrnet.Config(n_layer=4, n_head=4, n_embd=32, vocab_size=50, layers="TDDT")
+    assert dtrnet.flops_router(32) == 1088 and dtrnet.flops_router(33) == 2 * (33 * 16 + 16 * 2)
+    assert dtrnet.flops_terms(cfg, 64) == (3200 + 2 * 28736 + 2 * 21568, 4096, 4160)
+    assert dtrnet.flops_per_token(cfg, 64, [0.5, 0.25]) == 103808 + 4096 * 0.75 + 4160 * 0.3125
+    assert dtrnet.flops_per_token(cfg, 64, 0.5) == 103808 + 2 * (4096 * 0.5 + 4160 * 0.25)
+    assert dtrnet.flops_ratio(cfg, 64, [0.5, 0.25]) == pytest.approx(108180 / 118144, rel=1e-12)
+    assert dtrnet.flops_terms(cfg, 64, hidden=100)[0] == 103808 - 4 * 2 * 2 * 32 * 28
+
+
+def test_kv_cache_bytes_by_value():
+    """T layers hold B·block_size slots, D layers the routed tokens they hold (fp64: 8 bytes)."""
+    m = make().eval()
+    table = torch.zeros(2, 64, dtype=torch.bool)
+    table[0, :5], table[1, :3] = True, True
+    fix_routers(m, table)
+    _, state = m.prefill(torch.zeros(2, 10, dtype=torch.long))
+    per_token = 2 * 4 * 8 * 8  # K and V, nh = 4, hs = 8
+    assert dtrnet.kv_cache_bytes(state) == ((2 * 2 * 64 + 2 * 8) * per_token, 4 * 2 * 64 * per_token)
+
+
+def test_main_in_process(capsys):
+    """dtrnet.main itself (the module CLI test runs a fresh copy of the file)."""
+    for args in ([], ["-h"], ["--help"]):
+        dtrnet.main(args)
+        out = capsys.readouterr().out
+        assert out == ("usage: python dtrnet.py [-h]\nDefines the DTRNet model (no commands): train "
+                       "it with `python train.py --model dtrnet`, time it with `python bench.py "
+                       "dtrnet`.\n")
+    with pytest.raises(common.NanorouteError, match=r"^dtrnet.py takes no arguments, got 'a b'$"):
+        dtrnet.main(["a", "b"])
+
+
+def test_each_mode_takes_its_attention_path(monkeypatch):
+    """Training and sparse=True attend packed (the routed tokens only); eval() without sparse is
+    the masked reference; sparse=True in training is refused by name."""
+    calls = []
+    for name in ("attend_packed", "attend_masked"):
+        orig = getattr(dtrnet.DTRBlock, name)
+        monkeypatch.setattr(dtrnet.DTRBlock, name,
+                            lambda self, *a, _o=orig, _n=name: calls.append(_n) or _o(self, *a))
+    m, x = make(), torch.randint(0, 50, (2, 16))
+    for mode, sparse, want in (("train", False, "attend_packed"), ("eval", False, "attend_masked"),
+                               ("eval", True, "attend_packed")):
+        calls.clear()
+        getattr(m, mode)()(x, sparse=sparse)
+        assert calls == [want] * 2, (mode, sparse, calls)
+    with pytest.raises(common.NanorouteError,
+                       match=r"^sparse=True is an inference path: call model.eval\(\) first$"):
+        m.train()(x, sparse=True)
+
+
+def test_no_targets_no_loss_and_a_dense_pattern_adds_no_routing_loss():
+    m, x = make(lam=0.5).eval(), torch.randint(0, 50, (2, 16))
+    assert m(x)[1] is None
+    dense = make(layers="TTTT", lam=0.5).eval()
+    _, loss, st = dense(x, x)
+    assert loss.item() == st["lm_loss"].item() and "route_loss" not in st
+
+
+def test_router_params_at_an_odd_width():
+    cfg = dtrnet.Config(n_layer=3, n_head=3, n_embd=33, bias=True)
+    assert dtrnet.router_params(cfg) == 33 * 16 + 16 * 2 + 18
+    assert dtrnet.router_params(cfg) == sum(p.numel() for p in dtrnet.Router(cfg).parameters())
+
+
+def test_config_refusals_word_for_word():
+    base = dict(n_layer=4, n_head=4, n_embd=32)
+    for kw, msg in ((dict(variant="mod"), "variant='mod': choose one of dtrnet, skip, no_vo"),
+                    (dict(norm="bn"), "norm='bn': choose one of layernorm, rmsnorm"),
+                    (dict(lam=-1.0), "lam (λ) must be >= 0, got -1.0"),
+                    (dict(n_embd=1, n_head=1), "n_embd=1 is too small for a d → d/2 router")):
+        with pytest.raises(common.NanorouteError) as e:
+            dtrnet.Config(**{**base, **kw})
+        assert str(e.value) == msg
+
+
+def test_eval_applies_no_dropout_and_a_block_defaults_to_the_reference():
+    """eval() is deterministic at dropout 0.5 (mix() passes self.training); DTRBlock(x) alone is the
+    masked reference."""
+    m, x = make(dropout=0.5).eval(), torch.randint(0, 50, (2, 16))
+    assert torch.equal(m(x)[0], m(x)[0])
+    b, h = d_blocks(m)[0], m.embed(x)
+    assert torch.equal(b(h)[0], b(h, packed=False)[0])
+    calls = []
+    b.attend_packed = lambda *a: calls.append(1)
+    b(h)
+    assert not calls

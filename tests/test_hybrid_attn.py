@@ -698,3 +698,137 @@ def test_command_line(args, rc):
         assert r.stdout.startswith("usage: python hybrid_attn.py") and not r.stderr
     else:
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and not r.stdout
+
+
+# ---------------------------------------------------------------- values pinned where a change shows
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(gdn_head_dim=-1), "gdn_head_dim"), (dict(gdn_expand_v=0), "gdn_expand_v"),
+    (dict(tau_start=0.0), "temperatures"), (dict(tau_start=-1.0), "temperatures"),
+    (dict(tau_end=-0.5), "temperatures"), (dict(balance=-1e-9), "balance")])
+def test_every_range_is_refused_by_name(kw, msg):
+    with pytest.raises(NanorouteError, match=msg):
+        tiny(**kw)
+
+
+def test_range_edges_build():
+    for ok in (dict(balance=0.0), dict(chunk_size=1), dict(gdn_expand_v=1), dict(gdn_head_dim=0),
+               dict(gdn_head_dim=1), dict(pattern="S R G G")):
+        H.Model(tiny(**ok))
+    assert tiny(gdn_head_dim=0).head_k == 16 and tiny(gdn_head_dim=3).head_k == 3
+
+
+def test_temperature_schedule_at_its_edges():
+    """Geometric τ at a step count that does not divide the run, past its end, and a 0-step run."""
+    m = H.Model(tiny(max_iters=7, tau_start=1.0, tau_end=0.5))
+    m.on_step(3)
+    assert m.tau.item() == pytest.approx(0.5 ** (3 / 7), rel=1e-6)
+    m.on_step(7)
+    assert m.tau.item() == pytest.approx(0.5, rel=1e-6)
+    m.on_step(20)
+    assert m.tau.item() == pytest.approx(0.5, rel=1e-6)
+    m = H.Model(tiny(max_iters=0, tau_start=2.0, tau_end=0.5))
+    m.on_step(0)
+    assert m.tau.item() == 2.0
+
+
+def test_router_and_gdn_gates_run_in_fp32_under_bf16_autocast(monkeypatch):
+    """Router logits, the decay g and β under CPU bf16 autocast equal their fp32 computation from
+    the same projections (a bf16 elementwise pass moves them by ~1e-3 relative)."""
+    torch.manual_seed(0)
+    m = H.Model(tiny())
+    with torch.no_grad():
+        m.router.weight.normal_(0, 1.0)
+    h0 = torch.randn(2, 16, 32)
+    want = m.logits(h0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m.logits(h0)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-6, rtol=0)
+    gdn = m.blocks[0].gdn
+    seen = {}
+    rule = H.gated_delta_rule_chunked
+
+    def spy(q, k, v, g, beta, **kw):
+        seen.update(g=g, beta=beta)
+        return rule(q, k, v, g, beta, **kw)
+
+    monkeypatch.setattr(H, "gated_delta_rule_chunked", spy)
+    h = torch.randn(2, 16, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        gdn.write(h)
+        a, b = gdn.a_proj(h), gdn.b_proj(h)  # the projections as autocast runs them (bf16)
+    assert seen["g"].dtype == seen["beta"].dtype == torch.float32
+    g = (-gdn.A_log.exp() * F.softplus(a.float() + gdn.dt_bias)).mT
+    assert torch.allclose(seen["g"], g, rtol=1e-6, atol=0)
+    assert torch.allclose(seen["beta"], torch.sigmoid(b.float()).mT, rtol=1e-6, atol=0)
+
+
+def test_read_norm_eps_pinned_at_a_scale_where_it_matters():
+    """The per-head RMSNorm of o: ε = 1e-6, seen at mean square 1e-8 (ε 1e-5 or 1e-7: > 50%)."""
+    torch.manual_seed(0)
+    gdn = H.GatedDeltaNet(tiny(n_head=4)).double()
+    o = 1e-4 * torch.randn(1, 4, 5, 8, dtype=torch.float64)  # (B, H, n, V)
+    gate = torch.randn(1, 5, 32, dtype=torch.float64)
+    normed = o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6)
+    y = (normed.transpose(1, 2) * F.silu(gate).view(1, 5, 4, 8)).flatten(-2) @ gdn.c_proj.weight.T
+    assert torch.allclose(gdn.read(o, gate), y, rtol=1e-9, atol=0)
+
+
+def test_gdn_init_spans_its_ranges():
+    """Yang et al.'s init on 64 heads: A ~ U(0, 16) (some A < 1, some > 8), dt log-uniform on
+    [1e-3, 0.1] (some below 3e-3, some above 3e-2), dt_bias = softplus⁻¹(dt)."""
+    torch.manual_seed(0)
+    gdn = H.GatedDeltaNet(tiny(n_embd=256, n_head=64))
+    gdn.reset_gdn_parameters()
+    A, dt = gdn.A_log.exp(), F.softplus(gdn.dt_bias)
+    assert A.max() <= 16 and A.min() < 1 and A.max() > 8 and A.min() >= 1e-4
+    assert dt.min() >= 1e-3 - 1e-7 and dt.max() <= 0.1 + 1e-7
+    assert dt.min() < 3e-3 and dt.max() > 3e-2 and (dt.log() < math.log(1e-2)).float().mean() > 0.3
+
+
+def test_flops_gdn_by_value():
+    """d = 32, H = 4, K = 8: write 2·32·4·24 + 2·32·8 + 2·4·4·24 + 2·3·4·8·V; read 2·2·32·4·V."""
+    assert H.flops_gdn(tiny(n_head=4)) == (6144 + 512 + 768 + 1536, 4096)
+    assert H.flops_gdn(tiny(n_head=4, gdn_expand_v=2)) == (8192 + 512 + 1024 + 3072, 8192)
+    cfg = tiny(pattern="G G G S")
+    want = 1 - H.flops_per_token(cfg, 32) / common.dense_flops_per_token(cfg, 32)
+    assert H.flops_saved(cfg, 32, None, "cpu").item() == pytest.approx(want, rel=1e-6)
+    cfg = tiny()
+    for s in (0.0, 0.3, 1.0):  # skipped: the GDN share; flops_per_token takes the softmax share
+        want = 1 - H.flops_per_token(cfg, 32, 1 - s, sparse=True) / common.dense_flops_per_token(cfg, 32)
+        assert H.flops_saved(cfg, 32, torch.tensor(s), "cpu").item() == pytest.approx(want, rel=1e-6)
+
+
+def test_temperature_schedule_from_a_start_other_than_1():
+    m = H.Model(tiny(max_iters=4, tau_start=2.0, tau_end=0.5))
+    m.on_step(2)
+    assert m.tau.item() == pytest.approx(2.0 * 0.25 ** 0.5, rel=1e-6)
+    m = H.Model(tiny(max_iters=1, tau_start=2.0, tau_end=0.5))  # a 1-step run ends at tau_end
+    m.on_step(1)
+    assert m.tau.item() == pytest.approx(0.5, rel=1e-6)
+
+
+def test_forced_routes_report_the_routers_probabilities_and_eval_routes_carry_no_gradient():
+    """Forced routes (benchmarks): the balance loss reads softmax(z) over the two mixers; eval's
+    weights are the one-hot decisions themselves (no straight-through term, no gradient)."""
+    torch.manual_seed(0)
+    m = H.Model(tiny()).eval()
+    with torch.no_grad():
+        m.router.weight.normal_(0, 1.0)
+    h0 = torch.randn(2, 16, 32)
+    y, probs, hard = m.route(h0)
+    assert not y.requires_grad and torch.equal(y, hard)
+    m.forced_route = torch.rand(2, 16, 2) < 0.5
+    y, probs, hard = m.route(h0)
+    assert torch.allclose(probs, m.logits(h0).softmax(-1)) and torch.equal(hard[..., 1].bool(),
+                                                                           m.forced_route)
+
+
+def test_config_refusals_word_for_word():
+    with pytest.raises(NanorouteError) as e:
+        tiny(pattern="G X Y S")
+    assert str(e.value) == ("pattern 'G X Y S': unknown layer 'X'; use G (GDN), R (routed), "
+                            "S (softmax)")
+    with pytest.raises(NanorouteError) as e:
+        tiny(tau_start=0.0)
+    assert str(e.value) == "Gumbel temperatures must be > 0, got tau_start=0.0, tau_end=0.5"

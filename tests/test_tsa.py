@@ -801,3 +801,133 @@ def test_cli_smoke(data_dir, tmp_path, capsys):
         train.main(args + ["--lam=-2"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "lam" in err
+
+
+# ---- values pinned where a one-line change shows -------------------------------------------------
+
+def test_config_edges_are_valid():
+    """The ends of each valid range build (the refusals are test_bad_config_is_one_line_error)."""
+    for ok in (dict(n_layer=2), dict(lam=0.0), dict(threshold=0.0), dict(threshold=1.0),
+               dict(exec_share=1.0, hard_ft_routers="calibrate"), dict(hard_ft_lr=1e-4, min_lr=1e-4),
+               dict(exec_share=0.0, hard_ft_routers="calibrate"), dict(router_bias=-30.0)):
+        tiny(**ok)
+    with pytest.raises(common.NanorouteError, match="n_layer must be >= 2"):
+        tiny(n_layer=1)
+    with pytest.raises(common.NanorouteError, match=r"hard_ft_lr must be 0 \(off\) or >= min_lr"):
+        tiny(hard_ft_lr=5e-5, min_lr=1e-4)
+
+
+def test_hard_phase_longer_than_the_run_and_from_step_0():
+    """A phase of 500 steps in a run of 100 (or of exactly 100) starts at step 0: straight-through,
+    calibrated once at step 0, its lr restarting at hard_ft_lr and reaching min_lr at max_iters."""
+    for n in (100, 500):
+        m = make(max_iters=100, hard_ft_iters=n, hard_ft_routers="calibrate", hard_ft_lr=1e-2,
+                 min_lr=1e-4, warmup_iters=10)
+        m.on_step(0)
+        assert m.hard_train and m.calibrate_now
+        m.on_step(1)
+        assert m.hard_train and not m.calibrate_now
+        assert m.lr_at(0) == 1e-2 and m.lr_at(100) == pytest.approx(1e-4)
+        assert m.lr_at(50) == pytest.approx((1e-2 + 1e-4) / 2)
+    m = make(max_iters=100, hard_ft_iters=7, hard_ft_lr=1e-2, min_lr=1e-4)  # 7 does not divide 100
+    assert m.lr_at(92) == pytest.approx(common.lr_at(92, m.cfg)) and m.lr_at(93) == 1e-2
+    assert m.lr_at(100) == pytest.approx(1e-4) and m.lr_at(96) < m.lr_at(95) < 1e-2
+    m.on_step(92)
+    assert not m.hard_train
+    m.on_step(93)
+    assert m.hard_train
+
+
+def test_router_runs_in_fp32_under_bf16_autocast():
+    torch.manual_seed(0)
+    r = tsa.Router(64)
+    torch.nn.init.normal_(r.fc2.weight, 0.0, 1.0)
+    x = torch.randn(2, 16, 64)
+    want = r(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = r(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-7, rtol=0)
+
+
+def test_router_widths_init_and_flops_by_value():
+    """Eq. (2): hidden max(d // 4, 16) (d = 66: 16, not 16.5; d = 100: 25), b2 starts at router_bias
+    exactly, the rest of the router N(0, 0.02) as every matrix."""
+    assert tsa.Router(66).fc1.out_features == 16 and tsa.Router(100).fc1.out_features == 25
+    assert tsa.Router(32).fc1.out_features == 16
+    assert tsa.flops_router(66) == 2 * (66 * 16 + 16) and tsa.flops_router(100) == 2 * (100 * 25 + 25)
+    assert tsa.flops_router(32) == 2 * (32 * 16 + 16)  # the floor of 16
+    for bias in (-1.0, -2.5):
+        torch.manual_seed(0)
+        m = tsa.Model(tiny(n_embd=256, n_head=4, router_bias=bias))
+        assert all(r.fc2.bias.item() == bias for r in m.routers) and len(m.routers) == 3
+        assert all(not r.fc1.bias.any() for r in m.routers)
+        assert m.routers[0].fc1.weight.std().item() == pytest.approx(0.02, rel=0.03)
+
+
+def test_gate_by_value_at_the_halting_edge():
+    """§3.6: p = 0.5 runs (gate 1 or 1 − p = 0.5), p just above halts (0); soft: 1 − p; the
+    straight-through gate's forward is the hard one, its gradient the soft one's (−1)."""
+    p = torch.tensor([0.25, 0.5, 0.5 + 1e-6, 0.9], dtype=torch.float64, requires_grad=True)
+    scaled, paper = make(hard_variant="scaled"), make(hard_variant="01")
+    assert scaled.gate(p, "hard").tolist() == [0.75, 0.5, 0.0, 0.0]
+    assert paper.gate(p, "hard").tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert paper.gate(p, "hard").dtype == scaled.gate(p, "hard").dtype == torch.float64
+    assert torch.allclose(scaled.gate(p, "soft"), 1 - p)
+    st = paper.gate(p, "hard_st")
+    assert st.tolist() == [1.0, 1.0, 0.0, 0.0]
+    st.sum().backward()
+    assert p.grad.tolist() == [-1.0] * 4
+
+
+def test_depth_and_hard_stats_by_value():
+    """Eqs. (5)–(7) on known p: L = 4, p_l = 0.2, 0.5, 0.9 (active 0.8, 0.5, 0.1), λ = 0.3."""
+    cfg = tiny(lam=0.3)
+    ps = [torch.full((2, 3, 1), v) for v in (0.2, 0.5, 0.9)]
+    loss, st = tsa.depth_stats(ps, cfg)
+    alpha = (0.8 + 0.5 + 0.1) / 3
+    assert [st[f"active_r{l}"].item() for l in range(3)] == pytest.approx([0.8, 0.5, 0.1])
+    assert st["alpha"].item() == pytest.approx(alpha) and loss.item() == pytest.approx(0.3 * alpha)
+    assert st["tlops_saved"].item() == pytest.approx(1 - (1 + 3 * alpha) / 4)
+    hard = torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64)
+    for kw, mode in ((dict(), "query"), (dict(skip_queries=False), "ffn")):
+        c = tiny(**kw)
+        h = tsa.hard_stats(c, hard, 16)
+        want = tsa.flops_per_token(c, 16, 0.5, mode) / common.dense_flops_per_token(c, 16)
+        assert h["flops_saved_hard"].item() == pytest.approx(1 - want, rel=1e-9)
+        assert [h[f"skip_l{l}"].item() for l in (1, 2, 3)] == [0.0, 0.5, 1.0] and "skip_l0" not in h
+        assert h["skipped"].item() == 0.5 and h["alpha_hard"].item() == 0.5
+        assert h["tlops_saved_hard"].item() == pytest.approx(1 - (1 + 3 * 0.5) / 4)
+    c = tiny(variant="early_exit")
+    want = tsa.flops_per_token(c, 16, 0.5, "exit") / common.dense_flops_per_token(c, 16)
+    assert tsa.hard_stats(c, hard, 16)["flops_saved_hard"].item() == pytest.approx(1 - want)
+
+
+def test_exit_flops_by_value():
+    """Early exit, d = 32, L = 4, V = 50, T = 16 (mean context 8.5): K/V 4096, Q 2048, out 2048,
+    scores 1088, FFN 16384, head 3200; exit heads of the running tokens: head·(1 + 2α)/3."""
+    cfg = tiny(variant="early_exit", block_size=16)
+    kv, per_query, ffn, head = 4096, 2048 + 2048 + 1088, 16384, 3200
+    for a in (0.0, 0.25, 1.0):
+        want = kv + per_query + ffn + 3 * (kv + a * (per_query + ffn) + head * (1 + 2 * a) / 3) + head
+        assert tsa.flops_per_token(cfg, 16, a, "exit") == pytest.approx(want, rel=1e-12)
+
+
+def test_one_step_phase_and_no_phase():
+    """hard_ft_iters = 1: only the last step is straight-through, its lr hard_ft_lr, then min_lr at
+    max_iters; hard_ft_iters = 0: never, at any step."""
+    m = make(max_iters=10, hard_ft_iters=1, hard_ft_lr=1e-2, min_lr=1e-4)
+    m.on_step(9)
+    assert m.hard_train and m.lr_at(9) == 1e-2 and m.lr_at(10) == pytest.approx(1e-4)
+    m.on_step(8)
+    assert not m.hard_train
+    m = make(max_iters=10, hard_ft_iters=0)
+    for it in (0, 9, 10):
+        m.on_step(it)
+        assert not m.hard_train
+
+
+def test_flops_defaults():
+    """flops_per_token(cfg, T) is the dense GPT; α defaults to 1 (every routed block runs)."""
+    cfg = tiny()
+    assert tsa.flops_per_token(cfg, 32) == common.dense_flops_per_token(cfg, 32)
+    assert tsa.flops_per_token(cfg, 32, mode="ffn") == tsa.flops_per_token(cfg, 32, 1.0, "ffn")
