@@ -976,14 +976,17 @@ def sync(device):
 
 
 def make_optimizer(model, cfg, device):
-    """AdamW; weight decay on matrices only (not biases, norms, embeddings or 1-D gates)."""
+    """AdamW; weight decay on the weights of linear maps and convolutions only: not on biases,
+    norms, 1-D gates or embedding tables (wte, wpe and the head tied to wte, a bare table such as
+    conddepth's action embeddings), whatever their names."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    maps = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d))}
     decay, no_decay, seen = [], [], set()
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        is_embedding = name.startswith(("wte", "wpe")) or "lm_head" in name
-        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+        (decay if id(p) in maps - embeddings else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),

@@ -304,10 +304,6 @@ def test_tsa_lr_schedule_restarts_for_the_hard_phase_and_floors_at_min_lr():
     assert lrs[40:] == pytest.approx([1e-4] * 60, rel=1e-9)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="tsa.Model.lr_at: with hard_ft_iters > max_iters (the whole run is the hard phase) the "
-                   "phase's cosine is evaluated at it - start with start < 0, so step 0 is already part-way down "
-                   "the cosine instead of at hard_ft_lr")
 def test_tsa_hard_phase_covering_the_whole_run_starts_at_hard_ft_lr():
     """hard_ft_iters > max_iters means every step is in the hard phase (on_step calibrates at step
     max(start, 0)): the phase's lr then restarts at hard_ft_lr at step 0 and still ends at min_lr."""
@@ -368,10 +364,6 @@ def test_adamw_decays_matrices_only_and_holds_every_trainable_parameter_once(nam
     assert all(g["lr"] == cfg.learning_rate for g in opt.param_groups)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="common.make_optimizer recognises embeddings by the names wte/wpe/lm_head only, so "
-                   "conddepth's G3 action embeddings e_full/e_cheap (GateG3.e, a bare 2-D Parameter) are "
-                   "weight-decayed although the policy exempts embeddings")
 def test_adamw_does_not_decay_conddepth_action_embeddings():
     """eq. (12)'s e_a (GateG3.e: one learned row per action) is an embedding table, not a matrix."""
     model, cfg = tiny_model("conddepth", "--gate=G3")
