@@ -66,6 +66,7 @@ class Config:
     compile: bool = False      # torch.compile the model
     out_dir: str = ""          # default: out/<model>-<dataset>
     data_dir: str = "data"     # where datasets are prepared (data/<dataset>/)
+    shards: int = 1            # fineweb_edu: training shards (~100M tokens each) fetched and used
     init_from: str = ""        # a checkpoint whose weights (and architecture) start this run
     model: str = "gpt"         # set by --model
     dataset: str = "shakespeare"  # set by --dataset
@@ -84,7 +85,7 @@ class Config:
                                  f"got {self.gelu!r}")
         check_device_name(self.device)
         at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size",
-                        "eval_iters", "eval_interval", "log_interval"),
+                        "eval_iters", "eval_interval", "log_interval", "shards"),
                     0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr"),
                     -1: ("eval_seed",)}
         # sizes first: a ratio of them (n_embd / n_head) needs them >= 1

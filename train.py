@@ -70,7 +70,7 @@ FLAGS = {  # the flags that are not Config fields: default, one line of help
 # --help's groups of flags; the rest of common.Config: "model"
 GROUPS = {"run": ("model", "preset", "resume", "overwrite", "out_dir", "init_from", "device",
                   "compile", "seed", "eval_interval", "eval_iters", "eval_seed", "log_interval"),
-          "data": ("dataset", "data_dir"),
+          "data": ("dataset", "data_dir", "shards"),
           "optimisation": ("max_iters", "batch_size", "learning_rate", "min_lr", "warmup_iters",
                            "weight_decay", "beta1", "beta2", "grad_clip")}
 
@@ -539,7 +539,8 @@ def train_run(cfg, module, mode, given, stack):
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
 
-    meta = on_rank0(lambda: common.prepare(cfg.dataset, cfg.data_dir), ddp, master)
+    meta = on_rank0(lambda: common.prepare(cfg.dataset, cfg.data_dir, shards=cfg.shards), ddp,
+                    master)
     if ddp:
         meta = common.load_meta(cfg.dataset, cfg.data_dir)
     init = None
@@ -812,7 +813,6 @@ def _gather_rng(state, ddp):
 # --init_from gpt2: a Hugging Face GPT-2 (config.json + model.safetensors) as our state dict
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # 124M, 350M, 774M, 1.56B parameters
-HF_URL = "https://huggingface.co"  # the environment variable NANOROUTE_HF_URL overrides it
 HF_FILES = ("config.json", "model.safetensors")
 # HF's GPT-2 stores these as Conv1D weights, (in, out): the transpose of nn.Linear's (out, in)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -838,7 +838,7 @@ def gpt2_folder(init_from, data_dir=common.DATA_DIR, files=HF_FILES):
                                  f"(a Hugging Face GPT-2 checkpoint is {' + '.join(HF_FILES)})")
         return init_from
     folder = os.path.join(data_dir, "hf", init_from)
-    base = (os.environ.get("NANOROUTE_HF_URL") or HF_URL).rstrip("/") + f"/{init_from}/resolve/main"
+    base = f"{common.hf_url()}/{init_from}/resolve/main"  # NANOROUTE_HF_URL: a mirror
     for f in files:
         dest = os.path.join(folder, f)
         if not os.path.exists(dest):
@@ -1157,7 +1157,7 @@ def encode_prompt(meta, text):
             raise NanorouteError("the prompt has characters Tiny Shakespeare never uses: "
                                  f"{''.join(bad)!r}")
         return [stoi[c] for c in text]
-    if meta["dataset"] == "shakespeare_bpe":
+    if meta.get("encoding") == "r50k_base":  # shakespeare_bpe, fineweb_edu: GPT-2's BPE
         return common.bpe().encode_ordinary(text)
     if meta["dataset"] == "enwik8":
         return list(text.encode("utf-8"))
