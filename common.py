@@ -49,7 +49,8 @@ class Config:
     gelu: str = "none"         # the FFN's GELU: "none" (exact) or "tanh" (GPT-2's approximation)
     # training
     max_iters: int = 2250      # optimizer steps in all (the last one is evaluated and checkpointed)
-    batch_size: int = 16       # sequences per step (per process under torchrun)
+    batch_size: int = 16       # sequences per micro-batch (per process under torchrun)
+    grad_accum: int = 1        # micro-batches per step; routers' batch stats are per micro-batch
     learning_rate: float = 2e-3  # peak lr, after the warm-up
     min_lr: float = 1e-4       # the cosine schedule ends here at max_iters
     warmup_iters: int = 100    # linear lr warm-up steps
@@ -85,7 +86,8 @@ class Config:
                                  f"got {self.gelu!r}")
         check_device_name(self.device)
         at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size",
-                        "eval_iters", "eval_interval", "log_interval", "shards"),
+                        "eval_iters", "eval_interval", "log_interval", "shards",
+                        "grad_accum"),
                     0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr"),
                     -1: ("eval_seed",)}
         # sizes first: a ratio of them (n_embd / n_head) needs them >= 1

@@ -50,6 +50,7 @@ MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "condd
 # an out_dir with one of these holds a run
 RUN_FILES = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")
 OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")  # what --overwrite removes
+TIMING = ("time", "tok_s", "mfu")  # metrics.jsonl's fields that differ between identical runs
 # What a user may change when resuming a run; every other value is the run's saved one (a flag that
 # differs is refused): how long it trains and how often it looks (max_iters, eval_interval,
 # log_interval), where it runs (device, compile: the same computation) and where its files are
@@ -71,8 +72,8 @@ FLAGS = {  # the flags that are not Config fields: default, one line of help
 GROUPS = {"run": ("model", "preset", "resume", "overwrite", "out_dir", "init_from", "device",
                   "compile", "seed", "eval_interval", "eval_iters", "eval_seed", "log_interval"),
           "data": ("dataset", "data_dir", "shards"),
-          "optimisation": ("max_iters", "batch_size", "learning_rate", "min_lr", "warmup_iters",
-                           "weight_decay", "beta1", "beta2", "grad_clip")}
+          "optimisation": ("max_iters", "batch_size", "grad_accum", "learning_rate", "min_lr",
+                           "warmup_iters", "weight_decay", "beta1", "beta2", "grad_clip")}
 
 
 # flags that name a file or folder: a leading ~ is the user's home, as a shell would make it
@@ -273,6 +274,11 @@ def print_help(argv):
             if k == "model":
                 default = name
             print(f"{'  --' + k + '=' + show(default):<30} {text}".rstrip())
+    print("\n--grad_accum=N: N micro-batches of batch_size per step, the gradients of their mean "
+          "loss\n(DDP syncs on the last); a router's batch statistics are each micro-batch's: "
+          "dtrnet's α_l,\nthe hybrid's balance loss and Gumbel noise, conddepth's budget/alive "
+          "losses and θ_l, tsa's\ncalibration (train.accumulate's docstring gives each "
+          "difference)")
     presets = getattr(module, "PRESETS", {})
     print(f"\npresets of --model {name} (--preset NAME sets these; flags given too win):")
     for key, values in presets.items():
@@ -617,7 +623,8 @@ def train_run(cfg, module, mode, given, stack):
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     log(f"{cfg.model} on {cfg.dataset}: {raw_model.num_params() / 1e6:.2f}M parameters, "
         f"device {device}, {world} process(es), {cfg.max_iters} iters of "
-        f"{cfg.batch_size}×{cfg.block_size} tokens")
+        f"{cfg.batch_size}×{cfg.block_size}" + (f"×{cfg.grad_accum} (accumulated)"
+                                                if cfg.grad_accum > 1 else "") + " tokens")
 
     def record(rec):  # called on the master only
         with open(metrics_path, "a") as f:
@@ -657,12 +664,9 @@ def train_run(cfg, module, mode, given, stack):
         lr = raw_model.lr_at(it) if hasattr(raw_model, "lr_at") else common.lr_at(it, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = common.get_batch(train_data, meta, cfg.batch_size, cfg.block_size,
-                                np.random.default_rng([cfg.seed, 0, it, rank]), device)
-        with common.autocast(device):
-            _, loss, stats = model(x, y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats = accumulate(model, micro_batches(train_data, meta, cfg, it, rank, device),
+                                 device, ddp)
         # the pre-clipping gradient norm is logged (conddepth's grad-norm tiers);
         # grad_clip=0 only measures
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
@@ -688,6 +692,45 @@ def train_run(cfg, module, mode, given, stack):
         log(f"done in {_duration(time.time() - t0)}; best val loss {best_val:.4f}")
         summary(raw_model, cfg, meta, val_data, device, metrics_path)
     return best_val
+
+
+def micro_batches(data, meta, cfg, it, rank, device):
+    """Step it's cfg.grad_accum micro-batches of this rank, each from its own generator seeded by
+    (seed, it, rank, micro): a resumed run draws the same ones. One micro-batch: (seed, it, rank)
+    alone, the batches of the runs before accumulation existed."""
+    keys = [[cfg.seed, 0, it, rank]] if cfg.grad_accum == 1 else \
+        [[cfg.seed, 0, it, rank, micro] for micro in range(cfg.grad_accum)]
+    return [common.get_batch(data, meta, cfg.batch_size, cfg.block_size,
+                             np.random.default_rng(key), device) for key in keys]
+
+
+def accumulate(model, batches, device, ddp=False):
+    """Forward and backward over N micro-batches [(x, y), ...], each loss scaled by 1/N: the
+    gradients of the mean loss, as nanoGPT accumulates. Under DDP the gradients are all-reduced on
+    the last micro-step only (no_sync on the others). -> (the mean loss, the mean of each scalar
+    stat), detached.
+
+    N micro-batches of B equal one batch of N·B where a loss is a mean over tokens or sequences
+    (the LM loss; TSA's depth loss; conddepth's per-sequence top-k, JEPA and Huber terms). Where
+    a term is a nonlinear function of batch means, each micro-batch has its own (tests/
+    test_scale.py checks each difference against its formula): DTRNet's eq. (7) weights
+    α_l = f_l/Σf (the step's mean of α_l^m·ḡ_l^m, not α_l·ḡ_l); the hybrid's balance loss N·Σ f_i
+    P_i (the difference: Σ_i Cov_m(f_i, P_i)) and its Gumbel noise (other draws); conddepth's
+    budget loss (p̄_l − ρ)² (plus Var_m(p̄_l)), alive loss, the rank loss's pair count, and θ_l's
+    running average (N updates a step, one per micro-batch); TSA's calibration (b2 shifts once,
+    on the first micro-batch's quantile)."""
+    n, total, sums = len(batches), 0.0, {}
+    for micro, (x, y) in enumerate(batches):
+        last = micro == n - 1
+        with model.no_sync() if ddp and not last else contextlib.nullcontext():
+            with common.autocast(device):
+                _, loss, stats = model(x, y)
+            (loss / n).backward()
+        total = total + loss.detach()
+        for k, v in stats.items():
+            if torch.is_tensor(v) and v.numel() == 1:
+                sums[k] = sums.get(k, 0.0) + v.detach().float()
+    return total / n, {k: v / n for k, v in sums.items()}
 
 
 def compile_failure(e, what, fix):
