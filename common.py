@@ -5,7 +5,8 @@ nanoroute/common.py: the small shared core every paper file imports.
              llm.c token shards, read in place); get_batch() reads windows.
 2. blocks    the pre-norm GPT block (attention and FFN deltas apart) and the dense GPT baseline.
 3. compute   TLOps savings Δ (TSA eq. 7), forward FLOPs per token of each block component, the
-             FLOPs a training step executed, GPUs' peak FLOP/s, tokens/s and MFU.
+             FLOPs a training step executed (LM.train_flops_per_token, each paper its own),
+             GPUs' peak FLOP/s, tokens/s and MFU.
 4. plumbing  device/autocast/sync, AdamW groups, atomic checkpoints, eval loop, sampling.
 
 Every model file has a `Config` and a `Model` whose `forward(idx, targets=None, sparse=False)`
@@ -65,6 +66,7 @@ class Config:
     eval_seed: int = -1        # seed of the fixed evaluation batches (-1: the run's seed)
     device: str = "auto"       # auto, cpu, cuda, cuda:N or mps (auto: cuda, else mps, else cpu)
     compile: bool = False      # torch.compile the model
+    peak_flops: float = 0.0    # the device's peak FLOP/s for the logged MFU (0: GPU_PEAKS' entry)
     out_dir: str = ""          # default: out/<model>-<dataset>
     data_dir: str = "data"     # where datasets are prepared (data/<dataset>/)
     shards: int = 1            # fineweb_edu: training shards (~100M tokens each) fetched and used
@@ -88,7 +90,8 @@ class Config:
         at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size",
                         "eval_iters", "eval_interval", "log_interval", "shards",
                         "grad_accum"),
-                    0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr"),
+                    0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr",
+                        "peak_flops"),
                     -1: ("eval_seed",)}
         # sizes first: a ratio of them (n_embd / n_head) needs them >= 1
         for low, names in at_least.items():
@@ -649,6 +652,12 @@ class LM(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
 
+    def train_flops_per_token(self, T, stats=None):
+        """Forward FLOPs per token one training forward of this model executed on length-T
+        sequences (stats: that forward's): the dense GPT's count. A paper file whose training step
+        runs something else overrides this next to its own flops_per_token."""
+        return float(dense_flops_per_token(self.cfg, T))
+
     def num_params(self):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel()  # nanoGPT's convention: position embeddings not counted
@@ -827,31 +836,6 @@ def dense_flops_per_token(cfg, T):
     attn = flops_qkv(d) + flops_attn_out(d) + flops_attn_scores(d, mean_context(T))
     layer = attn + flops_ffn(d, 4 * d)
     return cfg.n_layer * layer + flops_lm_head(d, cfg.vocab_size)
-
-
-def train_flops_per_token(model, T, stats=None):
-    """Forward FLOPs per token that one training forward of `model` (unwrapped: not compiled, not
-    DDP) executed on length-T sequences, from its file's accounting; stats: that forward's.
-    gpt: the dense GPT. tsa: every block and router runs (training gates, it skips nothing);
-    the early-exit baseline: every block and its L exit heads. dtrnet: the packed pass runs Q, K
-    and the scores on the routed share only (its stats' flops_ratio of the dense GPT).
-    hybrid_attn: both mixers in every routed layer. conddepth: both FFNs for every controlled
-    token (eq. 9) and the controllers; the oracle's forks on its label steps are not counted."""
-    cfg, stats = model.cfg, stats or {}
-    paper = sys.modules[type(model).__module__]  # the paper file: its own accounting
-    name = paper.__name__
-    if name == "tsa":
-        mode = "exit" if cfg.variant == "early_exit" else "soft"
-        return float(paper.flops_per_token(cfg, T, 1.0, mode))
-    if name == "dtrnet" and "flops_ratio" in stats:
-        return float(stats["flops_ratio"]) * dense_flops_per_token(cfg, T)
-    if name == "hybrid_attn":
-        return float(paper.flops_per_token(cfg, T, sparse=False))
-    if name == "conddepth":
-        d, C = cfg.n_embd, cfg.n_controlled
-        both = flops_ffn(d, cfg.cheap_rank) + paper.controller_flops(cfg, train=True)
-        return dense_flops_per_token(cfg, T) + C * both
-    return float(dense_flops_per_token(cfg, T))
 
 
 def train_flops(flops_per_token, tokens):

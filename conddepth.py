@@ -214,6 +214,13 @@ class Model(common.LM):
         self.label_now = (cfg.lam_util > 0 or cfg.lam_rank > 0) and it >= cfg.label_start \
             and (it - cfg.label_start) % cfg.label_every == 0
 
+    def train_flops_per_token(self, T, stats=None):
+        """Eq. (9): both FFNs for every controlled token, and its controller (with T of eq. 14);
+        the oracle's forks on its label steps are not counted."""
+        cfg = self.cfg
+        both = common.flops_ffn(cfg.n_embd, cfg.cheap_rank) + controller_flops(cfg, train=True)
+        return float(common.dense_flops_per_token(cfg, T) + cfg.n_controlled * both)
+
     def controller(self, j, a):
         """Gate j on a (B, T, d) -> u (B, T) and G3's (q_full, q_cheap) or None; at least fp32."""
         with torch.autocast(a.device.type, enabled=False):

@@ -240,6 +240,12 @@ class Model(common.LM):
                         setattr(mod, name, nn.RMSNorm(cfg.n_embd, eps=1e-5))
         self.init_weights()
 
+    def train_flops_per_token(self, T, stats=None):
+        """The packed pass runs Q, K and the scores on the routed share only: the training
+        forward's flops_ratio (its stats) of the dense GPT; without it, the dense count."""
+        ratio = (stats or {}).get("flops_ratio", 1.0)
+        return float(ratio) * common.dense_flops_per_token(self.cfg, T)
+
     def trunk(self, x, packed):
         """All blocks; returns x and [(g_attn, δ, K/V of the routed tokens or None)] per D layer."""
         routes = []

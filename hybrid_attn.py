@@ -328,6 +328,10 @@ class Model(common.LM):
         frac = min(1.0, it / max(1, c.max_iters))
         self.tau.fill_(c.tau_start * (c.tau_end / c.tau_start) ** frac)
 
+    def train_flops_per_token(self, T, stats=None):
+        """Training runs both mixers in every routed layer, and the router."""
+        return float(flops_per_token(self.cfg, T, sparse=False))
+
     def logits(self, h0):
         """Router logits z (B, T, nR, 2) of layer 0's output h0 (B, T, C), fp32 under autocast."""
         with torch.autocast(h0.device.type, enabled=False):

@@ -53,11 +53,12 @@ OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")  # what --overwrit
 TIMING = ("time", "tok_s", "mfu")  # metrics.jsonl's fields that differ between identical runs
 # What a user may change when resuming a run; every other value is the run's saved one (a flag that
 # differs is refused): how long it trains and how often it looks (max_iters, eval_interval,
-# log_interval), where it runs (device, compile: the same computation) and where its files are
+# log_interval), where it runs (device, compile: the same computation; peak_flops: what its MFU
+# is measured against) and where its files are
 # now (out_dir, data_dir: a run or its data may move). eval_iters is not among them: every val
 # loss in a run's log (and so best.pt) is measured on the same batches.
 MAY_CHANGE = ("max_iters", "eval_interval", "log_interval", "device", "compile", "out_dir",
-              "data_dir")
+              "data_dir", "peak_flops")
 FLAGS = {  # the flags that are not Config fields: default, one line of help
     "model": ("gpt", "the model: " + ", ".join(MODELS)),
     "dataset": ("shakespeare", "the data: " + ", ".join(common.DATASETS)),
@@ -70,7 +71,8 @@ FLAGS = {  # the flags that are not Config fields: default, one line of help
 }
 # --help's groups of flags; the rest of common.Config: "model"
 GROUPS = {"run": ("model", "preset", "resume", "overwrite", "out_dir", "init_from", "device",
-                  "compile", "seed", "eval_interval", "eval_iters", "eval_seed", "log_interval"),
+                  "compile", "peak_flops", "seed", "eval_interval", "eval_iters", "eval_seed",
+                  "log_interval"),
           "data": ("dataset", "data_dir", "shards"),
           "optimisation": ("max_iters", "batch_size", "grad_accum", "learning_rate", "min_lr",
                            "warmup_iters", "weight_decay", "beta1", "beta2", "grad_clip")}
@@ -630,7 +632,11 @@ def train_run(cfg, module, mode, given, stack):
         with open(metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    t0, t_last = time.time(), time.time()
+    # tokens/s and MFU: this process's tokens per step over the time its steps took (evals not
+    # counted), against the peak of the dtype autocast runs in (None on a CPU: "peak unknown")
+    tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
+    peak = common.peak_flops(device, common.default_dtype(device), cfg.peak_flops or None)
+    t0, busy, steps = time.time(), 0.0, 0
     for it in range(start, cfg.max_iters + 1):
         eval_now = ((it % cfg.eval_interval == 0 or it == cfg.max_iters)
                     and not (ckpt is not None and it == start))
@@ -664,6 +670,7 @@ def train_run(cfg, module, mode, given, stack):
         lr = raw_model.lr_at(it) if hasattr(raw_model, "lr_at") else common.lr_at(it, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        t_step = time.time()
         optimizer.zero_grad(set_to_none=True)
         loss, stats = accumulate(model, micro_batches(train_data, meta, cfg, it, rank, device),
                                  device, ddp)
@@ -672,17 +679,21 @@ def train_run(cfg, module, mode, given, stack):
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
                                                    cfg.grad_clip or float("inf"))
         optimizer.step()
-        lossf = loss.item()
+        lossf = loss.item()  # waits for the step: busy is its time
+        busy, steps = busy + time.time() - t_step, steps + 1
         if not np.isfinite(lossf):
             raise NanorouteError(f"loss became {lossf} at step {it}; "
                                  "lower --learning_rate or check the data")
         if master and it % cfg.log_interval == 0:
-            dt = (time.time() - t_last) / (cfg.log_interval if it > start else 1)
-            t_last = time.time()
+            dt, busy, steps = busy / steps, 0.0, 0
+            # the FLOPs this step executed: a router that skips work shows it (its stats)
+            fpt = raw_model.train_flops_per_token(cfg.block_size, stats)
+            tps, mfu = common.throughput(fpt, tokens, dt, peak)
             log(f"iter {it}/{cfg.max_iters}: loss {lossf:.4f}, {dt * 1000:.0f} ms/iter, "
-                f"ETA {_duration(dt * (cfg.max_iters - it))}")
+                f"{common.throughput_text(tps, mfu)}, ETA {_duration(dt * (cfg.max_iters - it))}")
             record({"kind": "train", "step": it, "loss": lossf, "lr": lr,
-                    "grad_norm": grad_norm.item(),
+                    "grad_norm": grad_norm.item(), "tok_s": round(tps, 1),
+                    "mfu": None if mfu is None else round(mfu, 5),
                     **{k: v.item() for k, v in stats.items() if v.numel() == 1}})
     if ddp:
         # every rank is past its last collective before the group goes away

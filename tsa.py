@@ -151,6 +151,10 @@ class Model(common.LM):
         self.calibrate_now = (self.hard_train and cfg.hard_ft_routers == "calibrate"
                               and it == max(start, 0))
 
+    def train_flops_per_token(self, T, stats=None):
+        """Training gates (eqs. 3–4) and skips nothing: every block and router runs."""
+        return float(flops_per_token(self.cfg, T, 1.0, "soft"))
+
     def lr_at(self, it):
         """train.py's lr at step it: common's, or (hard_ft_lr > 0) a fresh cosine over the phase."""
         cfg, start = self.cfg, self.cfg.max_iters - self.cfg.hard_ft_iters
@@ -261,6 +265,10 @@ class EarlyExit(common.LM):
         self.exit_ln = nn.ModuleList(nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(L - 1))
         self.threshold = cfg.threshold
         self.init_weights()
+
+    def train_flops_per_token(self, T, stats=None):
+        """Training runs every block and its L exit heads."""
+        return float(flops_per_token(self.cfg, T, 1.0, "exit"))
 
     def exit_norm(self, l):
         return self.exit_ln[l] if l < self.cfg.n_layer - 1 else self.ln_f

@@ -4,6 +4,7 @@ the gpu presets, and experiments/scale.py's smoke path."""
 import contextlib
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -244,8 +245,8 @@ def run(data_dir, out, *extra):
     return train.main(["--model=dtrnet", "--dataset=shakespeare", f"--data_dir={data_dir}",
                        f"--out_dir={out}", "--n_layer=3", "--n_head=2", "--n_embd=16",
                        "--block_size=16", "--batch_size=2", "--grad_accum=2", "--eval_iters=1",
-                       "--eval_interval=3", "--log_interval=1", "--max_iters=6",
-                       "--warmup_iters=1", "--device=cpu", *extra])
+                       "--eval_interval=3", "--log_interval=1", "--warmup_iters=1",
+                       "--device=cpu", *extra])
 
 
 def records(out):
@@ -254,7 +255,7 @@ def records(out):
 
 
 def test_an_accumulating_run_resumes_exactly(data_dir, tmp_path, monkeypatch):
-    run(data_dir, tmp_path / "a")
+    run(data_dir, tmp_path / "a", "--max_iters=6")
     real = common.lr_at
 
     def killed_at_4(it, cfg):
@@ -263,11 +264,55 @@ def test_an_accumulating_run_resumes_exactly(data_dir, tmp_path, monkeypatch):
         return real(it, cfg)
     monkeypatch.setattr(common, "lr_at", killed_at_4)
     with pytest.raises(KeyboardInterrupt):
-        run(data_dir, tmp_path / "b")
+        run(data_dir, tmp_path / "b", "--max_iters=6")
     monkeypatch.setattr(common, "lr_at", real)
-    run(data_dir, tmp_path / "b", "--resume")
+    run(data_dir, tmp_path / "b", "--resume", "--max_iters=6")
     assert records(tmp_path / "a") == records(tmp_path / "b")
     saved = json.load(open(tmp_path / "b" / "config.json"))
     assert saved["grad_accum"] == 2
     with pytest.raises(SystemExit):  # the run's grad_accum is its own
         run(data_dir, tmp_path / "b", "--resume", "--max_iters=8", "--grad_accum=4")
+
+
+def test_the_log_shows_tokens_per_second_and_mfu(data_dir, tmp_path, capsys, monkeypatch):
+    """Every train line: tok/s over batch_size·block_size·grad_accum tokens, and MFU from the
+    FLOPs the router's step executed (DTRNet: its flops_ratio) against the peak: unknown on a
+    CPU unless --peak_flops gives it."""
+    run(data_dir, tmp_path / "a", "--max_iters=2")
+    assert "tok/s, MFU: peak unknown" in capsys.readouterr().out
+    assert all(r["mfu"] is None and r["tok_s"] > 0
+               for r in map(json.loads, open(tmp_path / "a" / "metrics.jsonl"))
+               if r["kind"] == "train")
+    seen, real = [], common.throughput
+    monkeypatch.setattr(common, "throughput", lambda f, n, *a: seen.append(n) or real(f, n, *a))
+    run(data_dir, tmp_path / "b", "--max_iters=2", "--peak_flops=1e9")
+    assert seen == [2 * 16 * 2] * 2  # batch_size · block_size · grad_accum, each step logged
+    assert re.search(r"tok/s, MFU \d+\.\d%", capsys.readouterr().out)
+    cfg = dtrnet.Config(**json.load(open(tmp_path / "b" / "config.json")))
+    model = dtrnet.Model(cfg)
+    for r in map(json.loads, open(tmp_path / "b" / "metrics.jsonl")):
+        if r["kind"] == "train":
+            fpt = model.train_flops_per_token(16, {"flops_ratio": r["flops_ratio"]})
+            assert fpt < common.dense_flops_per_token(cfg, 16)  # bypassed tokens ran less
+            assert r["mfu"] == pytest.approx(3 * fpt * r["tok_s"] / 1e9, rel=1e-3)
+
+
+def test_bench_train_rows_give_tokens_per_second_and_mfu(monkeypatch):
+    """bench.py's train_step rows: tok/s and MFU computed as train.py logs them (the router's
+    executed FLOPs); MFU None on a CPU, or against a peak when the device has one."""
+    import bench
+    torch.manual_seed(0)
+    routed = dtrnet.Model(dtrnet.Config(**SMALL3)).to(CPU)
+    dense = common.Model(common.Config(**SMALL3))
+    x, y = batch()[0][0]
+    row, = bench.train_rows("dtrnet", routed, dense, x, y, {}, CPU, 1, False)
+    assert row["routed_tok_s"] == pytest.approx(x.numel() / row["routed_ms"] * 1e3)
+    assert row["routed_mfu"] is None and row["dense_mfu"] is None
+    monkeypatch.setattr(common, "peak_flops", lambda device, dtype, peak=None: 1e9)
+    row, = bench.train_rows("dtrnet", routed, dense, x, y, {}, CPU, 1, False)
+    stats = copy.deepcopy(routed).train()(x, y)[2]
+    fpt = routed.train_flops_per_token(16, stats)
+    assert fpt < dense.train_flops_per_token(16)
+    assert row["routed_mfu"] == pytest.approx(3 * fpt * row["routed_tok_s"] / 1e9, rel=1e-6)
+    assert row["dense_mfu"] == pytest.approx(
+        3 * dense.train_flops_per_token(16) * row["dense_tok_s"] / 1e9, rel=1e-6)
