@@ -121,7 +121,19 @@ CLASSROOM = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, 
 PAPER = dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
              learning_rate=1e-3, min_lr=1e-4, beta2=0.95, weight_decay=0.1, dropout=0.2,
              eval_interval=500)
-PRESETS = {"classroom": CLASSROOM, "paper": PAPER}
+# `--preset gpu` (each model adds its routing settings): GPT-2 small (12 × 768, 12 heads, GPT-2's
+# biases and tanh GELU, so --init_from gpt2 loads; the vocabulary from the data) on 1024-token
+# windows, GPT-3 small's optimiser (lr 6e-4, β2 0.95), 16 × 1024 × 32 = 524,288 tokens a step by
+# accumulation, 2,500 steps: 1.31B tokens (14 shards of fineweb_edu, ~100M tokens each). Budget:
+# the dense GPT executes 3 × 2.66e8 FLOPs a token (dense_flops_per_token at T = 1024: ~6N with
+# N = 124M, plus attention), 1.05e18 FLOPs in all: 50 minutes on one H100/H200 at an assumed 35%
+# MFU (346 of 989 bf16 TFLOP/s), plus its evaluations; computed, not measured (results/scale.md).
+# bf16 is CUDA's default; compile where the model compiles on CUDA.
+GPU = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=True, gelu="tanh",
+           batch_size=16, grad_accum=32, max_iters=2500, warmup_iters=250, learning_rate=6e-4,
+           min_lr=6e-5, beta2=0.95, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
+           eval_interval=250, eval_iters=20, log_interval=10, compile=True, shards=14)
+PRESETS = {"classroom": CLASSROOM, "paper": PAPER, "gpu": GPU}
 
 ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "gelu")
 

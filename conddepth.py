@@ -125,7 +125,16 @@ PRESETS = {"paper": dict(n_layer=12, n_embd=640, n_head=10, block_size=256, n_co
                          eval_iters=16),
            # one command, no dense checkpoint: all trained jointly, no oracle (A3)
            "classroom": dict(common.CLASSROOM, recipe="A3-G1", controller_only=False, cheap_rank=16,
-                             weight_decay=0.1)}
+                             weight_decay=0.1),
+           # common.GPU's model and tokens, the paper's controllers (C = 4 of 12, r = d_ff/32)
+           # trained alone (§3.4) on a dense run of the same preset, or on GPT-2:
+           #   python train.py --model gpt --dataset fineweb_edu --preset gpu
+           #   python train.py --model conddepth --dataset fineweb_edu --preset gpu \
+           #       --init_from out/gpt-fineweb_edu/ckpt.pt          (or --init_from gpt2)
+           # micro-batches of 8 (×64): the oracle's forks hold B·nh·T·W·T scores
+           "gpu": dict(common.GPU, n_controlled=4, cheap_rank=96, d_c=128, d_a=16, d_s=64,
+                       pred_hidden=64, controller_only=True, learning_rate=2e-4, min_lr=2e-6,
+                       weight_decay=0.01, batch_size=8, grad_accum=64)}
 
 
 # Router: gates G1 (eq. 10) and G3 (eqs. 11–14), the top-k (eq. 7)

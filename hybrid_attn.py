@@ -93,7 +93,9 @@ PRESETS = {
     "paper": {"n_layer": 4, "n_head": 10, "n_embd": 1280, "pattern": "G R R S", "balance": 0.01,
               "max_iters": 200, "warmup_iters": 20, "learning_rate": 6e-4, "block_size": 256},
     "classroom": dict(common.CLASSROOM, pattern="G R R S", balance=0.01, max_iters=700,
-                      eval_interval=350)}
+                      eval_interval=350),
+    # common.GPU (one GPU, ~an hour of a dense GPT's FLOPs): the paper's G R R S three times
+    "gpu": dict(common.GPU, pattern="G R R S G R R S G R R S", balance=0.01)}
 
 
 # --------------------------------------------------------------------------------------------------

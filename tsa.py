@@ -87,6 +87,10 @@ PRESETS = {
                   hard_ft_iters=750, hard_ft_routers="calibrate", hard_ft_lr=3e-4),
     # ≤ 3 minutes on a 2-core CPU, the last 300 iterations straight-through
     "classroom": dict(common.CLASSROOM, hard_ft_iters=300),
+    # common.GPU (one GPU, ~an hour) with the paper preset's routing, its phase scaled (15% of
+    # the steps straight-through, calibrated) and its lr restart at the run's lr
+    "gpu": dict(common.GPU, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=375,
+                hard_ft_routers="calibrate", hard_ft_lr=6e-4),
 }
 
 

@@ -3,6 +3,7 @@ but for the routers' batch statistics, each checked against its formula), throug
 the gpu presets, and experiments/scale.py's smoke path."""
 import contextlib
 import copy
+import dataclasses
 import json
 import re
 
@@ -316,3 +317,29 @@ def test_bench_train_rows_give_tokens_per_second_and_mfu(monkeypatch):
     assert row["routed_mfu"] == pytest.approx(3 * fpt * row["routed_tok_s"] / 1e9, rel=1e-6)
     assert row["dense_mfu"] == pytest.approx(
         3 * dense.train_flops_per_token(16) * row["dense_tok_s"] / 1e9, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", list(train.MODELS))
+def test_every_models_gpu_preset_is_gpt2_small_at_half_a_million_tokens_a_step(name):
+    """--preset gpu: GPT-2 small's shape (its biases and GELU: --init_from gpt2 loads), 1024-token
+    windows, 524,288 tokens a step by accumulation, 2,500 steps (1.31B tokens: 14 shards), bf16
+    (CUDA's default) and compiled where the model compiles on CUDA; the parameters counted on the
+    meta device, GPT-2 small's 124M (nanoGPT's count, without positions) plus the routers' (the
+    hybrid's Gated DeltaNet mixers: 143M)."""
+    cfg, module, _ = train.parse_args(["--model", name, "--preset", "gpu"])
+    cfg = dataclasses.replace(cfg, vocab_size=50257)  # what fineweb_edu's meta sets
+    arch = (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.bias, cfg.gelu)
+    assert arch == (12, 12, 768, 1024, True, "tanh")
+    assert cfg.batch_size * cfg.block_size * cfg.grad_accum == 524_288
+    assert (cfg.max_iters, cfg.shards) == (2500, 14)
+    refused = getattr(module, "COMPILE_REFUSED", {}).get("cuda")
+    assert cfg.compile is not bool(refused)
+    with torch.device("meta"):
+        n = train.build(module, cfg).num_params()
+    assert n == 123_653_376 if name == "gpt" else 123_653_376 < n < 150e6  # hybrid: 143M
+
+
+def test_conddepth_gpu_preset_trains_the_controllers_alone_from_a_dense_run():
+    cfg = train.parse_args(["--model", "conddepth", "--preset", "gpu", "--init_from",
+                            "out/gpt-fineweb_edu/ckpt.pt"])[0]
+    assert cfg.controller_only and (cfg.n_controlled, cfg.cheap_rank) == (4, 768 * 4 // 32)
