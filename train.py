@@ -50,7 +50,7 @@ MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "condd
 # an out_dir with one of these holds a run
 RUN_FILES = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")
 OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")  # what --overwrite removes
-TIMING = ("time", "tok_s", "mfu")  # metrics.jsonl's fields that differ between identical runs
+TIMING = ("time", "tok_s", "mfu", "max_mem_gib")  # measured: they differ between identical runs
 # What a user may change when resuming a run; every other value is the run's saved one (a flag that
 # differs is refused): how long it trains and how often it looks (max_iters, eval_interval,
 # log_interval), where it runs (device, compile: the same computation; peak_flops: what its MFU
@@ -322,14 +322,9 @@ def check_fits(cfg, meta, module, device):
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if has_sysconf else 0
         limit, where = ram / 2, "half of this machine's memory"
     B, T, C = cfg.batch_size, cfg.block_size, cfg.n_embd
-    # activations kept for the backward pass, fp32, roughly: ~16 B·T·C per layer (qkv, attention
-    # output, the 4C-wide FFN and its GELU, norms, residuals), one layer's attention scores B·nh·T²
-    # (fwd + bwd, the math path), the logits three times (logits, softmax, gradient)
-    act = 4 * (16 * B * T * C * cfg.n_layer + 2 * B * cfg.n_head * T * T
-               + 3 * B * T * cfg.vocab_size)
     # a GPT's, a lower bound: no need to build a huge one
     params = 12 * cfg.n_layer * C * C + cfg.vocab_size * C
-    if limit and 16 * params + act <= limit:
+    if limit and sum(train_memory(cfg, params)) <= limit:
         # every tensor of this very model, without allocating it;
         # a size it cannot take is refused here
         try:
@@ -338,14 +333,26 @@ def check_fits(cfg, meta, module, device):
         except (RuntimeError, ValueError, ZeroDivisionError) as e:
             raise NanorouteError(f"--model {cfg.model} cannot be built with these sizes: "
                                  f"{str(e).splitlines()[0]}")
-    # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter
-    need = 16 * params + act
+    state, act = train_memory(cfg, params)
+    need = state + act
     if limit and need > limit:
         raise NanorouteError(f"this run would need ~{need / 2 ** 30:,.1f} GiB to train "
                              f"({params / 1e6:,.1f}M parameters with their gradients and AdamW's "
                              f"moments: {16 * params / 2 ** 30:,.1f} GiB; activations at "
                              f"batch_size={B}, block_size={T}: ~{act / 2 ** 30:,.1f} GiB), "
                              f"more than {where} ({limit / 2 ** 30:,.0f} GiB)")
+
+
+def train_memory(cfg, params):
+    """What a training step holds, roughly, in bytes -> (fp32 weights, gradients and AdamW's two
+    moments: 16 a parameter, the activations of one micro-batch). Activations kept for the
+    backward pass, fp32: ~16 B·T·C per layer (qkv, attention output, the 4C-wide FFN and its GELU,
+    norms, residuals), one layer's attention scores B·nh·T² (fwd + bwd, the math path), the logits
+    three times (logits, softmax, gradient)."""
+    B, T, C = cfg.batch_size, cfg.block_size, cfg.n_embd
+    act = 4 * (16 * B * T * C * cfg.n_layer + 2 * B * cfg.n_head * T * T
+               + 3 * B * T * cfg.vocab_size)
+    return 16 * params, act
 
 
 def check_writable(out):
@@ -694,6 +701,8 @@ def train_run(cfg, module, mode, given, stack):
             record({"kind": "train", "step": it, "loss": lossf, "lr": lr,
                     "grad_norm": grad_norm.item(), "tok_s": round(tps, 1),
                     "mfu": None if mfu is None else round(mfu, 5),
+                    **({"max_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
+                       if device.type == "cuda" else {}),
                     **{k: v.item() for k, v in stats.items() if v.numel() == 1}})
     if ddp:
         # every rank is past its last collective before the group goes away
