@@ -77,7 +77,7 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the commands and the computed "
                    "time and memory of each model")
     p.add_argument("--override", type=lambda t: dict(kv.split("=", 1) for kv in t.split(",")),
-                   default={}, help="k=v,... train.py values over the preset's (a test's tiny size)")
+                   default={}, help="k=v,... train.py values over the preset's (a tiny size)")
     a = p.parse_args(argv)
     a.argv = " ".join(sys.argv[1:] if argv is None else argv)
     entry(run, a)
