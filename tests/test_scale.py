@@ -184,7 +184,7 @@ def test_conddepth_budget_loss_adds_the_variance_and_theta_averages_each_micro_b
 
 def test_tsa_calibrates_on_the_first_micro_batch():
     """hard_ft_routers="calibrate" shifts b2 once, by a quantile of the batch it sees first:
-    accumulated, the first micro-batch's."""
+    accumulated, the first micro-batch's. Seen failing with the shift on every micro-batch."""
     torch.manual_seed(0)
     cfg = tsa.Config(**SMALL3, hard_ft_iters=5, max_iters=5, hard_ft_routers="calibrate")
     model = tsa.Model(cfg).train()
@@ -196,7 +196,7 @@ def test_tsa_calibrates_on_the_first_micro_batch():
     stepped = step(model, batch()[1])[4]
     for r, r1, r0 in zip(stepped.routers, first.routers, model.routers):
         assert not torch.equal(r1.fc2.bias, r0.fc2.bias)  # it shifted
-        torch.testing.assert_close(r.fc2.bias, r1.fc2.bias, atol=1e-2, rtol=0)  # + one lr step
+        assert torch.equal(r.fc2.bias, r1.fc2.bias)  # frozen in the phase: the step keeps it
 
 
 class FakeDDP(torch.nn.Module):
