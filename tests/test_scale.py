@@ -394,3 +394,26 @@ def test_scale_script_runs_the_table_resumably_at_a_tiny_size(data_dir, tmp_path
     capsys.readouterr()
     scale.main(argv)
     assert capsys.readouterr().out.count("skip ") == 2
+
+
+def test_ddp_accumulates_with_real_no_sync_on_two_processes(data_dir, tmp_path):
+    """torchrun, 2 processes on gloo, --grad_accum=2: DDP's no_sync on the first micro-step, the
+    all-reduce on the second; the run ends with rank 0's log and checkpoint."""
+    import subprocess
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", "train.py", f"--data_dir={data_dir}",
+                          f"--out_dir={tmp_path}", "--model=dtrnet", "--n_layer=3",
+                          "--n_embd=32", "--n_head=2", "--block_size=32", "--max_iters=3",
+                          "--eval_interval=3", "--eval_iters=1", "--log_interval=1",
+                          "--grad_accum=2", "--device=cpu"], cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)  # a hung collective must not leave workers behind
+        raise
+    assert p.returncode == 0, stderr[-2000:]
+    assert "2 process(es)" in stdout and "16×32×2 (accumulated)" in stdout
+    assert stdout.count("iter 2/3: loss") == 1  # rank 0 logs
+    assert common.load_checkpoint(str(tmp_path / "ckpt.pt"))["iter"] == 3
