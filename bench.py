@@ -18,7 +18,8 @@ share of the tokens (SHARES) takes the costly path, and a dense GPT of the same 
   sparse_forward  the sparse forward (only the routed work) vs the dense GPT and the dense-hard
                   forward; eager also at B = 1 and 4
   crossover       the smallest B·T from which the sparse forward beats dense-hard at every B
-  train_step      forward, backward and an AdamW step vs the dense GPT's
+  train_step      forward, backward and an AdamW step vs the dense GPT's; each one's tok_s and
+                  mfu (the FLOPs it executed over the GPU's peak; None on a CPU)
   decode          greedy cached decoding at B = 1 and 8, tokens/s, vs the dense GPT's
 Timed rows carry compiled (with --compile every timing is repeated compiled; decoding compiled as
 LM.generate(compile=True) runs it, on CUDA as CUDA graphs), routed_ms, dense_ms, speedup = dense /
@@ -338,9 +339,18 @@ def train_rows(suite, routed, dense, x, y, tags, device, repeats, comp):
     r, d = (compiled(r), compiled(d)) if comp else (r, d)
     t = timeit({"routed": train_step(r, x, y, device), "dense": train_step(d, x, y, device)},
                device, repeats)
+    # tokens/s and MFU as train.py logs them: the FLOPs each step executed (the routed model's
+    # from a training forward's stats) against the peak of the dtype (None on a CPU)
+    with torch.no_grad(), common.autocast(device, DTYPE):
+        stats = copy.deepcopy(routed).train()(x, y)[2]
+    peak = common.peak_flops(device, DTYPE or common.default_dtype(device))
+    T, tokens = x.size(1), x.numel()
+    rate = {k: common.throughput(m.train_flops_per_token(T, st), tokens, t[k], peak)
+            for k, m, st in (("routed", routed, stats), ("dense", dense, {}))}
     return [{"suite": suite, "what": "train_step", **tags, "compiled": comp, "B": x.size(0),
-             "T": x.size(1), "routed_ms": 1e3 * t["routed"], "dense_ms": 1e3 * t["dense"],
-             "speedup": t["dense"] / t["routed"]}]
+             "T": T, "routed_ms": 1e3 * t["routed"], "dense_ms": 1e3 * t["dense"],
+             "speedup": t["dense"] / t["routed"],
+             **{f"{k}_{f}": v for k, tm in rate.items() for f, v in zip(("tok_s", "mfu"), tm)}}]
 
 
 def decode_rows(suite, routed, dense, tags, device, Bs, comp):
@@ -438,6 +448,10 @@ def bench_gpt(args, device, rows, size, modes):
                          "B": B, "T": T, "ours_ms": 1e3 * t["ours"], "plain_ms": 1e3 * t["plain"],
                          "tokens_per_s": B * T / t["ours"],
                          "speed_ratio_ours_vs_plain": t["plain"] / t["ours"]})
+            if what == "train_step":  # MFU as train.py logs it (None on a CPU: peak unknown)
+                peak = common.peak_flops(device, DTYPE or common.default_dtype(device))
+                rows[-1]["mfu"] = common.throughput(ours.train_flops_per_token(T), B * T,
+                                                    t["ours"], peak)[1]
         tags = {"size": size_tag(args)}
         rows += decode_rows("gpt", ours.eval(), None, tags, device, (1, 8), comp)
 

@@ -5,7 +5,8 @@ nanoroute/common.py: the small shared core every paper file imports.
              llm.c token shards, read in place); get_batch() reads windows.
 2. blocks    the pre-norm GPT block (attention and FFN deltas apart) and the dense GPT baseline.
 3. compute   TLOps savings Δ (TSA eq. 7), forward FLOPs per token of each block component, the
-             FLOPs a training step executed, GPUs' peak FLOP/s, tokens/s and MFU.
+             FLOPs a training step executed (LM.train_flops_per_token, each paper its own),
+             GPUs' peak FLOP/s, tokens/s and MFU.
 4. plumbing  device/autocast/sync, AdamW groups, atomic checkpoints, eval loop, sampling.
 
 Every model file has a `Config` and a `Model` whose `forward(idx, targets=None, sparse=False)`
@@ -49,7 +50,8 @@ class Config:
     gelu: str = "none"         # the FFN's GELU: "none" (exact) or "tanh" (GPT-2's approximation)
     # training
     max_iters: int = 2250      # optimizer steps in all (the last one is evaluated and checkpointed)
-    batch_size: int = 16       # sequences per step (per process under torchrun)
+    batch_size: int = 16       # sequences per micro-batch (per process under torchrun)
+    grad_accum: int = 1        # micro-batches per step; routers' batch stats are per micro-batch
     learning_rate: float = 2e-3  # peak lr, after the warm-up
     min_lr: float = 1e-4       # the cosine schedule ends here at max_iters
     warmup_iters: int = 100    # linear lr warm-up steps
@@ -64,8 +66,10 @@ class Config:
     eval_seed: int = -1        # seed of the fixed evaluation batches (-1: the run's seed)
     device: str = "auto"       # auto, cpu, cuda, cuda:N or mps (auto: cuda, else mps, else cpu)
     compile: bool = False      # torch.compile the model
+    peak_flops: float = 0.0    # the device's peak FLOP/s for the logged MFU (0: GPU_PEAKS' entry)
     out_dir: str = ""          # default: out/<model>-<dataset>
     data_dir: str = "data"     # where datasets are prepared (data/<dataset>/)
+    shards: int = 1            # fineweb_edu: training shards (~100M tokens each) fetched and used
     init_from: str = ""        # a checkpoint whose weights (and architecture) start this run
     model: str = "gpt"         # set by --model
     dataset: str = "shakespeare"  # set by --dataset
@@ -84,8 +88,10 @@ class Config:
                                  f"got {self.gelu!r}")
         check_device_name(self.device)
         at_least = {1: ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size",
-                        "eval_iters", "eval_interval", "log_interval"),
-                    0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr"),
+                        "eval_iters", "eval_interval", "log_interval", "shards",
+                        "grad_accum"),
+                    0: ("max_iters", "warmup_iters", "seed", "weight_decay", "grad_clip", "min_lr",
+                        "peak_flops"),
                     -1: ("eval_seed",)}
         # sizes first: a ratio of them (n_embd / n_head) needs them >= 1
         for low, names in at_least.items():
@@ -115,7 +121,19 @@ CLASSROOM = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, 
 PAPER = dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64, max_iters=5000,
              learning_rate=1e-3, min_lr=1e-4, beta2=0.95, weight_decay=0.1, dropout=0.2,
              eval_interval=500)
-PRESETS = {"classroom": CLASSROOM, "paper": PAPER}
+# `--preset gpu` (each model adds its routing settings): GPT-2 small (12 × 768, 12 heads, GPT-2's
+# biases and tanh GELU, so --init_from gpt2 loads; the vocabulary from the data) on 1024-token
+# windows, GPT-3 small's optimiser (lr 6e-4, β2 0.95), 16 × 1024 × 32 = 524,288 tokens a step by
+# accumulation, 2,500 steps: 1.31B tokens (14 shards of fineweb_edu, ~100M tokens each). Budget:
+# the dense GPT executes 3 × 2.66e8 FLOPs a token (dense_flops_per_token at T = 1024: ~6N with
+# N = 124M, plus attention), 1.05e18 FLOPs in all: 50 minutes on one H100/H200 at an assumed 35%
+# MFU (346 of 989 bf16 TFLOP/s), plus its evaluations; computed, not measured (results/scale.md).
+# bf16 is CUDA's default; compile where the model compiles on CUDA.
+GPU = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=True, gelu="tanh",
+           batch_size=16, grad_accum=32, max_iters=2500, warmup_iters=250, learning_rate=6e-4,
+           min_lr=6e-5, beta2=0.95, weight_decay=0.1, grad_clip=1.0, dropout=0.0,
+           eval_interval=250, eval_iters=20, log_interval=10, compile=True, shards=14)
+PRESETS = {"classroom": CLASSROOM, "paper": PAPER, "gpu": GPU}
 
 ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "gelu")
 
@@ -646,6 +664,12 @@ class LM(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
 
+    def train_flops_per_token(self, T, stats=None):
+        """Forward FLOPs per token one training forward of this model executed on length-T
+        sequences (stats: that forward's): the dense GPT's count. A paper file whose training step
+        runs something else overrides this next to its own flops_per_token."""
+        return float(dense_flops_per_token(self.cfg, T))
+
     def num_params(self):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel()  # nanoGPT's convention: position embeddings not counted
@@ -824,31 +848,6 @@ def dense_flops_per_token(cfg, T):
     attn = flops_qkv(d) + flops_attn_out(d) + flops_attn_scores(d, mean_context(T))
     layer = attn + flops_ffn(d, 4 * d)
     return cfg.n_layer * layer + flops_lm_head(d, cfg.vocab_size)
-
-
-def train_flops_per_token(model, T, stats=None):
-    """Forward FLOPs per token that one training forward of `model` (unwrapped: not compiled, not
-    DDP) executed on length-T sequences, from its file's accounting; stats: that forward's.
-    gpt: the dense GPT. tsa: every block and router runs (training gates, it skips nothing);
-    the early-exit baseline: every block and its L exit heads. dtrnet: the packed pass runs Q, K
-    and the scores on the routed share only (its stats' flops_ratio of the dense GPT).
-    hybrid_attn: both mixers in every routed layer. conddepth: both FFNs for every controlled
-    token (eq. 9) and the controllers; the oracle's forks on its label steps are not counted."""
-    cfg, stats = model.cfg, stats or {}
-    paper = sys.modules[type(model).__module__]  # the paper file: its own accounting
-    name = paper.__name__
-    if name == "tsa":
-        mode = "exit" if cfg.variant == "early_exit" else "soft"
-        return float(paper.flops_per_token(cfg, T, 1.0, mode))
-    if name == "dtrnet" and "flops_ratio" in stats:
-        return float(stats["flops_ratio"]) * dense_flops_per_token(cfg, T)
-    if name == "hybrid_attn":
-        return float(paper.flops_per_token(cfg, T, sparse=False))
-    if name == "conddepth":
-        d, C = cfg.n_embd, cfg.n_controlled
-        both = flops_ffn(d, cfg.cheap_rank) + paper.controller_flops(cfg, train=True)
-        return dense_flops_per_token(cfg, T) + C * both
-    return float(dense_flops_per_token(cfg, T))
 
 
 def train_flops(flops_per_token, tokens):

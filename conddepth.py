@@ -128,7 +128,16 @@ PRESETS = {"paper": dict(n_layer=12, n_embd=640, n_head=10, block_size=256, n_co
                          eval_iters=16),
            # one command, no dense checkpoint: all trained jointly, no oracle (A3)
            "classroom": dict(common.CLASSROOM, recipe="A3-G1", controller_only=False, cheap_rank=16,
-                             weight_decay=0.1)}
+                             weight_decay=0.1),
+           # common.GPU's model and tokens, the paper's controllers (C = 4 of 12, r = d_ff/32)
+           # trained alone (§3.4) on a dense run of the same preset, or on GPT-2:
+           #   python train.py --model gpt --dataset fineweb_edu --preset gpu
+           #   python train.py --model conddepth --dataset fineweb_edu --preset gpu \
+           #       --init_from out/gpt-fineweb_edu/ckpt.pt          (or --init_from gpt2)
+           # micro-batches of 8 (×64): the oracle's forks hold B·nh·T·W·T scores
+           "gpu": dict(common.GPU, n_controlled=4, cheap_rank=96, d_c=128, d_a=16, d_s=64,
+                       pred_hidden=64, controller_only=True, learning_rate=2e-4, min_lr=2e-6,
+                       weight_decay=0.01, batch_size=8, grad_accum=64)}
 
 
 # Router: gates G1 (eq. 10) and G3 (eqs. 11–14), the top-k (eq. 7)
@@ -216,6 +225,13 @@ class Model(common.LM):
         cfg = self.cfg
         self.label_now = (cfg.lam_util > 0 or cfg.lam_rank > 0) and it >= cfg.label_start \
             and (it - cfg.label_start) % cfg.label_every == 0
+
+    def train_flops_per_token(self, T, stats=None):
+        """Eq. (9): both FFNs for every controlled token, and its controller (with T of eq. 14);
+        the oracle's forks on its label steps are not counted."""
+        cfg = self.cfg
+        both = common.flops_ffn(cfg.n_embd, cfg.cheap_rank) + controller_flops(cfg, train=True)
+        return float(common.dense_flops_per_token(cfg, T) + cfg.n_controlled * both)
 
     def controller(self, j, a):
         """Gate j on a (B, T, d) -> u (B, T) and G3's (q_full, q_cheap) or None; at least fp32."""

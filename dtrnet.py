@@ -98,7 +98,10 @@ PRESETS = {"paper": dict(n_layer=32, n_embd=960, n_head=15, block_size=2048, lay
                          lam=8e-4, norm="rmsnorm", learning_rate=3e-4, min_lr=1e-5,
                          weight_decay=0.01, grad_clip=0.1, max_iters=2250, warmup_iters=225,
                          vocab_size=32000),
-           "classroom": dict(common.CLASSROOM, layers="trilayer", lam=8e-4)}
+           "classroom": dict(common.CLASSROOM, layers="trilayer", lam=8e-4),
+           # common.GPU (one GPU, ~an hour): bilayer at the 360M model's λ; GPT-2's LayerNorm (so
+           # --init_from gpt2 loads); not compiled (COMPILE_REFUSED on CUDA)
+           "gpu": dict(common.GPU, layers="bilayer", lam=8e-4, compile=False)}
 
 # Refused until tests/test_common.py's compile test passes on CUDA.
 COMPILE_REFUSED = {"cuda": "`python train.py --model=dtrnet --n_layer=4 --n_embd=32 --compile=true`"
@@ -240,6 +243,12 @@ class Model(common.LM):
                     if isinstance(child, nn.LayerNorm):
                         setattr(mod, name, nn.RMSNorm(cfg.n_embd, eps=1e-5))
         self.init_weights()
+
+    def train_flops_per_token(self, T, stats=None):
+        """The packed pass runs Q, K and the scores on the routed share only: the training
+        forward's flops_ratio (its stats) of the dense GPT; without it, the dense count."""
+        ratio = (stats or {}).get("flops_ratio", 1.0)
+        return float(ratio) * common.dense_flops_per_token(self.cfg, T)
 
     def trunk(self, x, packed):
         """All blocks; returns x and [(g_attn, δ, K/V of the routed tokens or None)] per D layer."""

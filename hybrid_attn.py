@@ -93,7 +93,9 @@ PRESETS = {
     "paper": {"n_layer": 4, "n_head": 10, "n_embd": 1280, "pattern": "G R R S", "balance": 0.01,
               "max_iters": 200, "warmup_iters": 20, "learning_rate": 6e-4, "block_size": 256},
     "classroom": dict(common.CLASSROOM, pattern="G R R S", balance=0.01, max_iters=700,
-                      eval_interval=350)}
+                      eval_interval=350),
+    # common.GPU (one GPU, ~an hour of a dense GPT's FLOPs): the paper's G R R S three times
+    "gpu": dict(common.GPU, pattern="G R R S G R R S G R R S", balance=0.01)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -327,6 +329,10 @@ class Model(common.LM):
         c = self.cfg
         frac = min(1.0, it / max(1, c.max_iters))
         self.tau.fill_(c.tau_start * (c.tau_end / c.tau_start) ** frac)
+
+    def train_flops_per_token(self, T, stats=None):
+        """Training runs both mixers in every routed layer, and the router."""
+        return float(flops_per_token(self.cfg, T, sparse=False))
 
     def logits(self, h0):
         """Router logits z (B, T, nR, 2) of layer 0's output h0 (B, T, C), fp32 under autocast."""

@@ -50,13 +50,15 @@ MODELS = {"gpt": "common", "tsa": "tsa", "dtrnet": "dtrnet", "conddepth": "condd
 # an out_dir with one of these holds a run
 RUN_FILES = ("ckpt.pt", "best.pt", "metrics.jsonl", "config.json")
 OUTPUTS = RUN_FILES + ("routing.html", "sample_routing.html")  # what --overwrite removes
+TIMING = ("time", "tok_s", "mfu", "max_mem_gib")  # measured: they differ between identical runs
 # What a user may change when resuming a run; every other value is the run's saved one (a flag that
 # differs is refused): how long it trains and how often it looks (max_iters, eval_interval,
-# log_interval), where it runs (device, compile: the same computation) and where its files are
+# log_interval), where it runs (device, compile: the same computation; peak_flops: what its MFU
+# is measured against) and where its files are
 # now (out_dir, data_dir: a run or its data may move). eval_iters is not among them: every val
 # loss in a run's log (and so best.pt) is measured on the same batches.
 MAY_CHANGE = ("max_iters", "eval_interval", "log_interval", "device", "compile", "out_dir",
-              "data_dir")
+              "data_dir", "peak_flops")
 FLAGS = {  # the flags that are not Config fields: default, one line of help
     "model": ("gpt", "the model: " + ", ".join(MODELS)),
     "dataset": ("shakespeare", "the data: " + ", ".join(common.DATASETS)),
@@ -69,10 +71,11 @@ FLAGS = {  # the flags that are not Config fields: default, one line of help
 }
 # --help's groups of flags; the rest of common.Config: "model"
 GROUPS = {"run": ("model", "preset", "resume", "overwrite", "out_dir", "init_from", "device",
-                  "compile", "seed", "eval_interval", "eval_iters", "eval_seed", "log_interval"),
-          "data": ("dataset", "data_dir"),
-          "optimisation": ("max_iters", "batch_size", "learning_rate", "min_lr", "warmup_iters",
-                           "weight_decay", "beta1", "beta2", "grad_clip")}
+                  "compile", "peak_flops", "seed", "eval_interval", "eval_iters", "eval_seed",
+                  "log_interval"),
+          "data": ("dataset", "data_dir", "shards"),
+          "optimisation": ("max_iters", "batch_size", "grad_accum", "learning_rate", "min_lr",
+                           "warmup_iters", "weight_decay", "beta1", "beta2", "grad_clip")}
 
 
 # flags that name a file or folder: a leading ~ is the user's home, as a shell would make it
@@ -273,6 +276,11 @@ def print_help(argv):
             if k == "model":
                 default = name
             print(f"{'  --' + k + '=' + show(default):<30} {text}".rstrip())
+    print("\n--grad_accum=N: N micro-batches of batch_size per step, the gradients of their mean "
+          "loss\n(DDP syncs on the last); a router's batch statistics are each micro-batch's: "
+          "dtrnet's α_l,\nthe hybrid's balance loss and Gumbel noise, conddepth's budget/alive "
+          "losses and θ_l, tsa's\ncalibration (train.accumulate's docstring gives each "
+          "difference)")
     presets = getattr(module, "PRESETS", {})
     print(f"\npresets of --model {name} (--preset NAME sets these; flags given too win):")
     for key, values in presets.items():
@@ -314,14 +322,9 @@ def check_fits(cfg, meta, module, device):
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if has_sysconf else 0
         limit, where = ram / 2, "half of this machine's memory"
     B, T, C = cfg.batch_size, cfg.block_size, cfg.n_embd
-    # activations kept for the backward pass, fp32, roughly: ~16 B·T·C per layer (qkv, attention
-    # output, the 4C-wide FFN and its GELU, norms, residuals), one layer's attention scores B·nh·T²
-    # (fwd + bwd, the math path), the logits three times (logits, softmax, gradient)
-    act = 4 * (16 * B * T * C * cfg.n_layer + 2 * B * cfg.n_head * T * T
-               + 3 * B * T * cfg.vocab_size)
     # a GPT's, a lower bound: no need to build a huge one
     params = 12 * cfg.n_layer * C * C + cfg.vocab_size * C
-    if limit and 16 * params + act <= limit:
+    if limit and sum(train_memory(cfg, params)) <= limit:
         # every tensor of this very model, without allocating it;
         # a size it cannot take is refused here
         try:
@@ -330,14 +333,26 @@ def check_fits(cfg, meta, module, device):
         except (RuntimeError, ValueError, ZeroDivisionError) as e:
             raise NanorouteError(f"--model {cfg.model} cannot be built with these sizes: "
                                  f"{str(e).splitlines()[0]}")
-    # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter
-    need = 16 * params + act
+    state, act = train_memory(cfg, params)
+    need = state + act
     if limit and need > limit:
         raise NanorouteError(f"this run would need ~{need / 2 ** 30:,.1f} GiB to train "
                              f"({params / 1e6:,.1f}M parameters with their gradients and AdamW's "
                              f"moments: {16 * params / 2 ** 30:,.1f} GiB; activations at "
                              f"batch_size={B}, block_size={T}: ~{act / 2 ** 30:,.1f} GiB), "
                              f"more than {where} ({limit / 2 ** 30:,.0f} GiB)")
+
+
+def train_memory(cfg, params):
+    """What a training step holds, roughly, in bytes -> (fp32 weights, gradients and AdamW's two
+    moments: 16 a parameter, the activations of one micro-batch). Activations kept for the
+    backward pass, fp32: ~16 B·T·C per layer (qkv, attention output, the 4C-wide FFN and its GELU,
+    norms, residuals), one layer's attention scores B·nh·T² (fwd + bwd, the math path), the logits
+    three times (logits, softmax, gradient)."""
+    B, T, C = cfg.batch_size, cfg.block_size, cfg.n_embd
+    act = 4 * (16 * B * T * C * cfg.n_layer + 2 * B * cfg.n_head * T * T
+               + 3 * B * T * cfg.vocab_size)
+    return 16 * params, act
 
 
 def check_writable(out):
@@ -539,7 +554,8 @@ def train_run(cfg, module, mode, given, stack):
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
 
-    meta = on_rank0(lambda: common.prepare(cfg.dataset, cfg.data_dir), ddp, master)
+    meta = on_rank0(lambda: common.prepare(cfg.dataset, cfg.data_dir, shards=cfg.shards), ddp,
+                    master)
     if ddp:
         meta = common.load_meta(cfg.dataset, cfg.data_dir)
     init = None
@@ -616,13 +632,18 @@ def train_run(cfg, module, mode, given, stack):
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     log(f"{cfg.model} on {cfg.dataset}: {raw_model.num_params() / 1e6:.2f}M parameters, "
         f"device {device}, {world} process(es), {cfg.max_iters} iters of "
-        f"{cfg.batch_size}×{cfg.block_size} tokens")
+        f"{cfg.batch_size}×{cfg.block_size}" + (f"×{cfg.grad_accum} (accumulated)"
+                                                if cfg.grad_accum > 1 else "") + " tokens")
 
     def record(rec):  # called on the master only
         with open(metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    t0, t_last = time.time(), time.time()
+    # tokens/s and MFU: this process's tokens per step over the time its steps took (evals not
+    # counted), against the peak of the dtype autocast runs in (None on a CPU: "peak unknown")
+    tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
+    peak = common.peak_flops(device, common.default_dtype(device), cfg.peak_flops or None)
+    t0, busy, steps = time.time(), 0.0, 0
     for it in range(start, cfg.max_iters + 1):
         eval_now = ((it % cfg.eval_interval == 0 or it == cfg.max_iters)
                     and not (ckpt is not None and it == start))
@@ -656,28 +677,32 @@ def train_run(cfg, module, mode, given, stack):
         lr = raw_model.lr_at(it) if hasattr(raw_model, "lr_at") else common.lr_at(it, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = common.get_batch(train_data, meta, cfg.batch_size, cfg.block_size,
-                                np.random.default_rng([cfg.seed, 0, it, rank]), device)
-        with common.autocast(device):
-            _, loss, stats = model(x, y)
+        t_step = time.time()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats = accumulate(model, micro_batches(train_data, meta, cfg, it, rank, device),
+                                 device, ddp)
         # the pre-clipping gradient norm is logged (conddepth's grad-norm tiers);
         # grad_clip=0 only measures
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
                                                    cfg.grad_clip or float("inf"))
         optimizer.step()
-        lossf = loss.item()
+        lossf = loss.item()  # waits for the step: busy is its time
+        busy, steps = busy + time.time() - t_step, steps + 1
         if not np.isfinite(lossf):
             raise NanorouteError(f"loss became {lossf} at step {it}; "
                                  "lower --learning_rate or check the data")
         if master and it % cfg.log_interval == 0:
-            dt = (time.time() - t_last) / (cfg.log_interval if it > start else 1)
-            t_last = time.time()
+            dt, busy, steps = busy / steps, 0.0, 0
+            # the FLOPs this step executed: a router that skips work shows it (its stats)
+            fpt = raw_model.train_flops_per_token(cfg.block_size, stats)
+            tps, mfu = common.throughput(fpt, tokens, dt, peak)
             log(f"iter {it}/{cfg.max_iters}: loss {lossf:.4f}, {dt * 1000:.0f} ms/iter, "
-                f"ETA {_duration(dt * (cfg.max_iters - it))}")
+                f"{common.throughput_text(tps, mfu)}, ETA {_duration(dt * (cfg.max_iters - it))}")
             record({"kind": "train", "step": it, "loss": lossf, "lr": lr,
-                    "grad_norm": grad_norm.item(),
+                    "grad_norm": grad_norm.item(), "tok_s": round(tps, 1),
+                    "mfu": None if mfu is None else round(mfu, 5),
+                    **({"max_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
+                       if device.type == "cuda" else {}),
                     **{k: v.item() for k, v in stats.items() if v.numel() == 1}})
     if ddp:
         # every rank is past its last collective before the group goes away
@@ -687,6 +712,45 @@ def train_run(cfg, module, mode, given, stack):
         log(f"done in {_duration(time.time() - t0)}; best val loss {best_val:.4f}")
         summary(raw_model, cfg, meta, val_data, device, metrics_path)
     return best_val
+
+
+def micro_batches(data, meta, cfg, it, rank, device):
+    """Step it's cfg.grad_accum micro-batches of this rank, each from its own generator seeded by
+    (seed, it, rank, micro): a resumed run draws the same ones. One micro-batch: (seed, it, rank)
+    alone, the batches of the runs before accumulation existed."""
+    keys = [[cfg.seed, 0, it, rank]] if cfg.grad_accum == 1 else \
+        [[cfg.seed, 0, it, rank, micro] for micro in range(cfg.grad_accum)]
+    return [common.get_batch(data, meta, cfg.batch_size, cfg.block_size,
+                             np.random.default_rng(key), device) for key in keys]
+
+
+def accumulate(model, batches, device, ddp=False):
+    """Forward and backward over N micro-batches [(x, y), ...], each loss scaled by 1/N: the
+    gradients of the mean loss, as nanoGPT accumulates. Under DDP the gradients are all-reduced on
+    the last micro-step only (no_sync on the others). -> (the mean loss, the mean of each scalar
+    stat), detached.
+
+    N micro-batches of B equal one batch of N·B where a loss is a mean over tokens or sequences
+    (the LM loss; TSA's depth loss; conddepth's per-sequence top-k, JEPA and Huber terms). Where
+    a term is a nonlinear function of batch means, each micro-batch has its own (tests/
+    test_scale.py checks each difference against its formula): DTRNet's eq. (7) weights
+    α_l = f_l/Σf (the step's mean of α_l^m·ḡ_l^m, not α_l·ḡ_l); the hybrid's balance loss N·Σ f_i
+    P_i (the difference: Σ_i Cov_m(f_i, P_i)) and its Gumbel noise (other draws); conddepth's
+    budget loss (p̄_l − ρ)² (plus Var_m(p̄_l)), alive loss, the rank loss's pair count, and θ_l's
+    running average (N updates a step, one per micro-batch); TSA's calibration (b2 shifts once,
+    on the first micro-batch's quantile)."""
+    n, total, sums = len(batches), 0.0, {}
+    for micro, (x, y) in enumerate(batches):
+        last = micro == n - 1
+        with model.no_sync() if ddp and not last else contextlib.nullcontext():
+            with common.autocast(device):
+                _, loss, stats = model(x, y)
+            (loss / n).backward()
+        total = total + loss.detach()
+        for k, v in stats.items():
+            if torch.is_tensor(v) and v.numel() == 1:
+                sums[k] = sums.get(k, 0.0) + v.detach().float()
+    return total / n, {k: v / n for k, v in sums.items()}
 
 
 def compile_failure(e, what, fix):
@@ -812,7 +876,6 @@ def _gather_rng(state, ddp):
 # --init_from gpt2: a Hugging Face GPT-2 (config.json + model.safetensors) as our state dict
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # 124M, 350M, 774M, 1.56B parameters
-HF_URL = "https://huggingface.co"  # the environment variable NANOROUTE_HF_URL overrides it
 HF_FILES = ("config.json", "model.safetensors")
 # HF's GPT-2 stores these as Conv1D weights, (in, out): the transpose of nn.Linear's (out, in)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -838,7 +901,7 @@ def gpt2_folder(init_from, data_dir=common.DATA_DIR, files=HF_FILES):
                                  f"(a Hugging Face GPT-2 checkpoint is {' + '.join(HF_FILES)})")
         return init_from
     folder = os.path.join(data_dir, "hf", init_from)
-    base = (os.environ.get("NANOROUTE_HF_URL") or HF_URL).rstrip("/") + f"/{init_from}/resolve/main"
+    base = f"{common.hf_url()}/{init_from}/resolve/main"  # NANOROUTE_HF_URL: a mirror
     for f in files:
         dest = os.path.join(folder, f)
         if not os.path.exists(dest):
@@ -1157,7 +1220,7 @@ def encode_prompt(meta, text):
             raise NanorouteError("the prompt has characters Tiny Shakespeare never uses: "
                                  f"{''.join(bad)!r}")
         return [stoi[c] for c in text]
-    if meta["dataset"] == "shakespeare_bpe":
+    if meta.get("encoding") == "r50k_base":  # shakespeare_bpe, fineweb_edu: GPT-2's BPE
         return common.bpe().encode_ordinary(text)
     if meta["dataset"] == "enwik8":
         return list(text.encode("utf-8"))

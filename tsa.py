@@ -87,6 +87,10 @@ PRESETS = {
                   hard_ft_iters=750, hard_ft_routers="calibrate", hard_ft_lr=3e-4),
     # ≤ 3 minutes on a 2-core CPU, the last 300 iterations straight-through
     "classroom": dict(common.CLASSROOM, hard_ft_iters=300),
+    # common.GPU (one GPU, ~an hour) with the paper preset's routing, its phase scaled (15% of
+    # the steps straight-through, calibrated) and its lr restart at the run's lr
+    "gpu": dict(common.GPU, lam=1e-3, hard_variant="01", skip_queries=False, hard_ft_iters=375,
+                hard_ft_routers="calibrate", hard_ft_lr=6e-4),
 }
 
 
@@ -150,6 +154,10 @@ class Model(common.LM):
         self.hard_train = cfg.hard_ft_iters > 0 and it >= start and cfg.hard_ft_routers != "soft"
         self.calibrate_now = (self.hard_train and cfg.hard_ft_routers == "calibrate"
                               and it == max(start, 0))
+
+    def train_flops_per_token(self, T, stats=None):
+        """Training gates (eqs. 3–4) and skips nothing: every block and router runs."""
+        return float(flops_per_token(self.cfg, T, 1.0, "soft"))
 
     def lr_at(self, it):
         """train.py's lr at step it: common's, or (hard_ft_lr > 0) a fresh cosine over the phase
@@ -263,6 +271,10 @@ class EarlyExit(common.LM):
         self.exit_ln = nn.ModuleList(nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(L - 1))
         self.threshold = cfg.threshold
         self.init_weights()
+
+    def train_flops_per_token(self, T, stats=None):
+        """Training runs every block and its L exit heads."""
+        return float(flops_per_token(self.cfg, T, 1.0, "exit"))
 
     def exit_norm(self, l):
         return self.exit_ln[l] if l < self.cfg.n_layer - 1 else self.ln_f

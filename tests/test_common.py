@@ -501,7 +501,7 @@ def run(argv, data_dir, out_dir, **extra):
 
 
 def records(out_dir):
-    return [{k: v for k, v in r.items() if k != "time"} for r in map(json.loads, open(out_dir / "metrics.jsonl"))]
+    return [{k: v for k, v in r.items() if k not in train.TIMING} for r in map(json.loads, open(out_dir / "metrics.jsonl"))]
 
 
 @pytest.mark.parametrize("edit,says", [

@@ -293,11 +293,15 @@ def test_train_py_runs_on_fineweb_edu_through_the_server_then_from_the_folder(hu
                                                                               capsys):
     import train
     data = tmp_path / "data"
-    train.main(TINY + ["--dataset=fineweb_edu", f"--data_dir={data}", f"--out_dir={tmp_path}/a"])
+    train.main(TINY + ["--dataset=fineweb_edu", f"--data_dir={data}", f"--out_dir={tmp_path}/a",
+                       "--shards=2"])
     out = capsys.readouterr().out
-    assert "train_tokens 4,000" in out and "step 2: train loss" in out
+    assert "train_tokens 6,500" in out and "step 2: train loss" in out  # both shards
     run = json.load(open(tmp_path / "a" / "config.json"))
-    assert (run["dataset"], run["vocab_size"]) == ("fineweb_edu", 50257)
+    assert (run["dataset"], run["vocab_size"], run["shards"]) == ("fineweb_edu", 50257, 2)
+    train.main(["--sample", str(tmp_path / "a"), "--prompt", "The cell", "--num_tokens=3",
+                "--device=cpu"])  # a prompt in GPT-2's BPE
+    assert "sample:\nThe cell" in capsys.readouterr().out
     os.environ["NANOROUTE_HF_URL"] = "http://127.0.0.1:9"  # offline: the shards there suffice
     train.main(TINY + ["--dataset=fineweb_edu", f"--data_dir={data}", f"--out_dir={tmp_path}/b"])
     assert "step 2: train loss" in capsys.readouterr().out

@@ -21,16 +21,16 @@ DENSE_SMALL = 2 * (24 * 4096 + 4 * 64 * 16.5) + 2 * 64 * 65
 def test_dense_gpt_executes_the_dense_count():
     model = common.Model(common.Config(**SMALL))
     assert DENSE_SMALL == 213_376
-    assert common.train_flops_per_token(model, 32) == DENSE_SMALL
+    assert model.train_flops_per_token(32) == DENSE_SMALL
 
 
 def test_tsa_training_runs_every_block_and_its_routers():
     """Training gates (eqs. 3–4) and skips nothing: the dense count plus L − 1 routers of
     2(d·d/4 + d/4) = 2080 FLOPs; the early-exit baseline: plus L − 1 exit heads of 2dV = 8320."""
     model = tsa.Model(tsa.Config(**SMALL))
-    assert common.train_flops_per_token(model, 32, {}) == DENSE_SMALL + 2080
+    assert model.train_flops_per_token(32, {}) == DENSE_SMALL + 2080
     exit_model = tsa.build(tsa.Config(**SMALL, variant="early_exit"))
-    assert common.train_flops_per_token(exit_model, 32, {}) == DENSE_SMALL + 8320
+    assert exit_model.train_flops_per_token(32, {}) == DENSE_SMALL + 8320
 
 
 def test_dtrnet_counts_what_its_packed_pass_ran():
@@ -40,9 +40,9 @@ def test_dtrnet_counts_what_its_packed_pass_ran():
     x = torch.randint(0, 65, (4, 32), generator=torch.Generator().manual_seed(0))
     _, _, stats = model(x, x)
     fracs = [stats[f"frac_l{i}"] for i in model.d_layers]
-    got = common.train_flops_per_token(model, 32, stats)
+    got = model.train_flops_per_token(32, stats)
     assert got == pytest.approx(float(dtrnet.flops_per_token(cfg, 32, fracs)), rel=1e-6)
-    assert common.train_flops_per_token(model, 32, {"flops_ratio": torch.tensor(0.75)}) \
+    assert model.train_flops_per_token(32, {"flops_ratio": torch.tensor(0.75)}) \
         == pytest.approx(0.75 * common.dense_flops_per_token(cfg, 32))
 
 
@@ -52,7 +52,7 @@ def test_hybrid_training_runs_both_mixers():
     cfg = hybrid_attn.Config(**SMALL, pattern="S R")
     model = hybrid_attn.Model(cfg)
     write, read = hybrid_attn.flops_gdn(cfg)
-    got = common.train_flops_per_token(model, 32, {"skipped": 0.9})  # skips nothing in training
+    got = model.train_flops_per_token(32, {"skipped": 0.9})  # skips nothing in training
     assert got == DENSE_SMALL + 2 * 64 * 2 + write + read
 
 
@@ -62,7 +62,7 @@ def test_conddepth_training_runs_both_ffns_and_the_controllers():
     model = conddepth.Model(cfg)
     cheap = 2 * 2 * 64 * cfg.cheap_rank
     gate = conddepth.controller_flops(cfg, train=True)
-    assert common.train_flops_per_token(model, 32, {"flops_saved_hard": 0.3}) \
+    assert model.train_flops_per_token(32, {"flops_saved_hard": 0.3}) \
         == DENSE_SMALL + cheap + gate
     if cfg.gate == "G1":  # hidden d/4: 2(d·16 + 16)
         assert gate == 2 * (64 * 16 + 16)
