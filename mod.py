@@ -82,7 +82,9 @@ class Config(common.Config):
 PRESETS = {"paper": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, capacity=0.125,
                          every=2, learning_rate=6e-4, min_lr=6e-5, weight_decay=0.1, beta2=0.95,
                          warmup_iters=200),
-           "classroom": dict(common.CLASSROOM, capacity=0.125, every=2)}
+           "classroom": dict(common.CLASSROOM, capacity=0.125, every=2),
+           # common.GPU (one GPU, ~an hour of a dense GPT's FLOPs): the paper's routing
+           "gpu": dict(common.GPU, capacity=0.125, every=2)}
 
 
 def capacity_k(C, T):
@@ -217,6 +219,11 @@ class Model(common.LM):
         self.blocks = nn.ModuleList(MoDBlock(cfg) if c == "R" else common.Block(cfg)
                                     for c in self.pattern)
         self.init_weights()
+
+    def train_flops_per_token(self, T, stats=None):
+        """Training runs a routed block on its k = ⌈C·T⌉ selected tokens only (eq. 3), and every
+        token's router (and predictor)."""
+        return float(flops_per_token(self.cfg, T, capacity_k(self.cfg.capacity, T) / T))
 
     def trunk(self, x, mode):
         """All blocks; returns x and [(r, z, top-k membership, ran)] per routed block."""

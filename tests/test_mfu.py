@@ -128,3 +128,13 @@ def test_peak_unknown_off_cuda_and_a_given_peak_wins(monkeypatch):
     for bad in (0, -1.0, math.inf, math.nan, "1e12"):
         with pytest.raises(common.NanorouteError, match="peak FLOP/s must be a positive number"):
             common.peak_flops("cpu", "fp32", peak=bad)
+
+
+def test_mod_counts_the_k_tokens_its_routed_blocks_ran():
+    """MoD's training runs its routed block on k = ⌈0.1·32⌉ = 4 of 32 tokens (⌊·⌋ would be 3): by
+    hand at d = 64, blocks T R:
+    dense block 98,304 + scores 4·64·16.5; routed 4/32 · (98,304 + scores over the 4 chosen,
+    4·64·2.5) + its router 2·64; the head 2·64·65."""
+    import mod
+    model = mod.Model(mod.Config(**SMALL, capacity=0.1))
+    assert model.train_flops_per_token(32) == 102528 + 12496 + 8320

@@ -20,6 +20,7 @@ import conddepth
 from conftest import ROOT
 import dtrnet
 import hybrid_attn
+import mod
 import train
 import tsa
 
@@ -83,6 +84,9 @@ def models():
         "dtrnet-lam0": dtrnet.Model(dtrnet.Config(**SMALL3, lam=0.0)),
         "conddepth-no-budget": conddepth.Model(conddepth.Config(**SMALL, n_controlled=1,
                                                                 lam_b=0.0, p_min=0.0)),
+        # MoD: top-k per sequence and a BCE mean over tokens: nothing over the batch
+        "mod": mod.Model(mod.Config(**SMALL3, every=1, capacity=0.5)),
+        "mod-mlp": mod.Model(mod.Config(**SMALL3, predictor="mlp")),
         "hybrid-no-balance": hybrid_attn.Model(hybrid_attn.Config(**SMALL, pattern="S R",
                                                                   balance=0.0)),
     }
