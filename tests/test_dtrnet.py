@@ -926,12 +926,12 @@ def test_each_mode_takes_its_attention_path(monkeypatch):
         m.train()(x, sparse=True)
 
 
-def test_no_targets_no_loss_and_a_dense_pattern_adds_no_routing_loss():
+def test_no_targets_no_loss_and_a_dense_pattern_is_refused():
+    """A pattern with no D layer would be a dense GPT under DTRNet's name: refused, not trained."""
     m, x = make(lam=0.5).eval(), torch.randint(0, 50, (2, 16))
     assert m(x)[1] is None
-    dense = make(layers="TTTT", lam=0.5).eval()
-    _, loss, st = dense(x, x)
-    assert loss.item() == st["lm_loss"].item() and "route_loss" not in st
+    with pytest.raises(common.NanorouteError, match=r"no D \(routed\) layer"):
+        make(layers="TTTT", lam=0.5)
 
 
 def test_router_params_at_an_odd_width():
