@@ -193,7 +193,8 @@ def eval_records(path):
         except ValueError:
             r = None
         kind = r.get("variant", r.get("model")) if isinstance(r, dict) else None
-        missing = [k for k in RECORD_KEYS.get(kind, ("model",)) if not isinstance(r, dict) or k not in r]
+        missing = [k for k in RECORD_KEYS.get(kind, ("model",))
+                   if not isinstance(r, dict) or k not in r]
         if missing or not isinstance(r.get("run"), str):
             raise ValueError(f"{path} line {i} is not an `eval` record (no "
                              f"{', '.join(missing or ['run'])}): write them with "

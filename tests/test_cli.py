@@ -114,24 +114,32 @@ TRAIN_CASES = {
                             or t / "x", "holds a run (metrics.jsonl)"),
     "resume nothing": (["--resume"], lambda r, t, m: t / "none", "no {out}/ckpt.pt to resume from"),
     "resume another model": (["--resume", "--model=tsa", "--n_layer=2", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
-                             "--resume: --model asks for model=tsa but {out}/config.json has model=gpt"),
+                             "--resume: --model asks for model=tsa but {out}/config.json "
+                             "has model=gpt"),
     "resume another size": (["--resume", "--n_embd=32", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
                             "--n_embd asks for n_embd=32 but {out}/config.json has n_embd=16"),
     "resume another dataset": (["--resume", "--dataset=sort", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
-                               "--dataset asks for dataset=sort but {out}/config.json has dataset=shakespeare"),
-    "resume with another seed": (["--resume", "--seed=7", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
-                                 "--resume: --seed asks for seed=7 but {out}/config.json has seed=1337; a "
-                                 "resumed run keeps its values: drop --seed (may change: --max_iters"),
-    "resume with a preset": (["--resume", "--preset=paper", "--max_iters=9"], lambda r, t, m: copy_run(r, t),
+                               "--dataset asks for dataset=sort but {out}/config.json "
+                               "has dataset=shakespeare"),
+    "resume with another seed": (["--resume", "--seed=7", "--max_iters=9"],
+                                 lambda r, t, m: copy_run(r, t),
+                                 "--resume: --seed asks for seed=7 but {out}/config.json has "
+                                 "seed=1337; a resumed run keeps its values: drop --seed (may "
+                                 "change: --max_iters"),
+    "resume with a preset": (["--resume", "--preset=paper", "--max_iters=9"],
+                             lambda r, t, m: copy_run(r, t),
                              "--preset paper (its learning_rate) asks for learning_rate=0.001 but"),
     "resume with another eval_iters": (["--resume", "--eval_iters=3", "--max_iters=9"],
-                                       lambda r, t, m: copy_run(r, t), "--eval_iters asks for eval_iters=3"),
+                                       lambda r, t, m: copy_run(r, t),
+                                       "--eval_iters asks for eval_iters=3"),
     "resume an edited config.json": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
-        copy_run(r, t), lr=0.5), "ckpt.pt has learning_rate=0.002 but this run asks for learning_rate=0.5"),
+        copy_run(r, t), lr=0.5),
+        "ckpt.pt has learning_rate=0.002 but this run asks for learning_rate=0.5"),
     "resume a config.json of nothing": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
         copy_run(r, t), model="mlp"), "config.json is not a nanoroute run's config"),
-    "resume a config.json with a string lr": (["--resume", "--max_iters=9"], lambda r, t, m: edit_config(
-        copy_run(r, t), lr="0.002"), "learning_rate must be float, got '0.002' ({out}/config.json, with the flags"),
+    "resume a config.json with a string lr": (
+        ["--resume", "--max_iters=9"], lambda r, t, m: edit_config(copy_run(r, t), lr="0.002"),
+        "learning_rate must be float, got '0.002' ({out}/config.json, with the flags"),
     "resume a best.pt copy": (["--resume", "--max_iters=9"], lambda r, t, m: shutil.copy(
         copy_run(r, t) / "best.pt", t / "gpt" / "ckpt.pt") and t / "gpt", "has no training state (optimizer"),
     "resume at max_iters": (["--resume"], lambda r, t, m: copy_run(r, t), "is at step 4 and --max_iters=4"),
@@ -149,11 +157,14 @@ TRAIN_CASES = {
     "empty val.bin": (["--data_dir={data}"], lambda r, t, m: damage(t / "data" / "shakespeare" / "val.bin", 0),
                       "val.bin has 0 bytes"),
     "stray word": (["gpt"], None, "unexpected argument 'gpt'"),
-    "a seed torch cannot take": (["--seed=99999999999999999999999"], None, "seed must be < 2**63, got 9999"),
+    "a seed torch cannot take": (["--seed=99999999999999999999999"], None,
+                                 "seed must be < 2**63, got 9999"),
     "out_dir inside the data": ([], lambda r, t, m: t / "data" / "shakespeare",
-                                "is inside --data_dir {data}, the prepared data: choose another --out_dir"),
+                                "is inside --data_dir {data}, the prepared data: "
+                                "choose another --out_dir"),
     "init_from a folder of nothing": (["--init_from={data}"], None,
-                                      "no config.json or model.safetensors there (a Hugging Face GPT-2"),
+                                      "no config.json or model.safetensors there "
+                                      "(a Hugging Face GPT-2"),
     "init_from a log": (["--init_from={data}/shakespeare/meta.json"], None,
                         "meta.json is corrupt or not a nanoroute checkpoint (UnpicklingError)"),
     "a leftover RANK": ([], lambda r, t, m: [m.delenv(k, raising=False) for k in (
@@ -192,7 +203,8 @@ SAMPLE_CASES = {
     "zero tokens": (["--num_tokens=0"], "--num_tokens and --top_k must be >= 1"),
     "copy prompt not numbers": (["--prompt=hello"], "a copy prompt is space-separated numbers"),
     "a seed torch cannot take": (["--seed=18446744073709551616"], "--seed must be in 0..2**63-1"),
-    "compile and dense": (["--compile", "--dense"], "--compile compiles the cached decoding step, and --dense"),
+    "compile and dense": (["--compile", "--dense"],
+                          "--compile compiles the cached decoding step, and --dense"),
 }
 
 
@@ -215,11 +227,13 @@ def test_sample_copy_task_without_a_prompt_completes_a_held_out_record(runs, cap
 
 
 def test_a_sample_cropped_to_the_context_says_so(runs, capsys):
-    train.main(["--sample", str(runs / "gpt"), "--prompt=" + "ROMEO: " * 4, "--num_tokens=2", "--device=cpu"])
+    train.main(["--sample", str(runs / "gpt"), "--prompt=" + "ROMEO: " * 4, "--num_tokens=2",
+                "--device=cpu"])
     out = capsys.readouterr().out
-    assert "note: the prompt's 28 tokens are more than the model's context (block_size 16): it continues " \
-           "from the last 16" in out
-    assert "KV-cached decoding" in out and out.split("sample:\n")[1].startswith(("ROMEO: " * 4)[-16:])
+    assert "note: the prompt's 28 tokens are more than the model's context (block_size 16): " \
+           "it continues from the last 16" in out
+    assert "KV-cached decoding" in out and out.split("sample:\n")[1].startswith(
+        ("ROMEO: " * 4)[-16:])
 
 
 def test_sample_in_a_read_only_run_prints_the_sample_then_warns(runs, monkeypatch, capsys):
@@ -266,11 +280,13 @@ def test_resume_after_a_partial_last_log_line(runs, tmp_path, capsys):
 
 
 def test_resume_takes_every_value_from_the_runs_config(runs, tmp_path, capsys):
-    """Resumed with only the folder and a longer --max_iters: the model, sizes, schedule and seed are the
-    run's (config.json), not today's defaults; the flags a user may change mid-run are applied."""
+    """Resumed with only the folder and a longer --max_iters: the model, sizes, schedule and seed
+    are the run's (config.json), not today's defaults; the flags a user may change mid-run are
+    applied."""
     out = copy_run(runs, tmp_path, "tsa")
     saved = json.loads((out / "config.json").read_text())
-    train.main(["--resume", f"--out_dir={out}", "--max_iters=3", "--log_interval=2", "--device=cpu"])
+    train.main(["--resume", f"--out_dir={out}", "--max_iters=3", "--log_interval=2",
+                "--device=cpu"])
     now = json.loads((out / "config.json").read_text())
     assert now == {**saved, "max_iters": 3, "log_interval": 2, "out_dir": str(out)}
     assert now["model"] == "tsa" and now["n_layer"] == 2 and now["hard_ft_iters"] == 1
@@ -284,17 +300,19 @@ def test_init_from_a_run_says_what_came_from_it_and_refuses_a_given_value(runs, 
     ckpt = runs / "gpt" / "ckpt.pt"
     base = [f"--data_dir={runs / 'data'}", f"--init_from={ckpt}", "--max_iters=1", "--eval_iters=1",
             "--batch_size=2", "--device=cpu"]
-    err = one_error(capsys, lambda: train.main(base + ["--n_layer=6", f"--out_dir={tmp_path / 'a'}"]))
+    err = one_error(capsys,
+                    lambda: train.main(base + ["--n_layer=6", f"--out_dir={tmp_path / 'a'}"]))
     assert "has n_layer=1, but this run asks for n_layer=6: drop --n_layer" in err
     assert not (tmp_path / "a").exists()
     train.main(base + [f"--out_dir={tmp_path / 'b'}"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("from --init_from")]
     assert lines == [f"from --init_from {ckpt}: vocab_size=65, block_size=16, n_layer=1, n_head=2, "
-                     "n_embd=16, bias=false, gelu=none; the rest from this run's flags and defaults"]
+                     "n_embd=16, bias=false, gelu=none; the rest from this run's flags and "
+                     "defaults"]
 
 
-def test_a_path_with_a_tilde_is_under_home_and_a_replaced_vocab_size_is_said(runs, tmp_path, monkeypatch,
-                                                                            capsys):
+def test_a_path_with_a_tilde_is_under_home_and_a_replaced_vocab_size_is_said(
+        runs, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
@@ -305,22 +323,24 @@ def test_a_path_with_a_tilde_is_under_home_and_a_replaced_vocab_size_is_said(run
     assert "sample:" in capsys.readouterr().out
 
 
-def test_compile_failing_at_compile_time_is_one_line_before_anything_is_written(runs, tmp_path, monkeypatch,
-                                                                              capsys):
-    """A compiler that cannot build (no C++ compiler here): one line with the cause and --compile=false, and no
-    run in the folder, so the same command with --compile=false starts without --overwrite."""
+def test_compile_failing_at_compile_time_is_one_line_before_anything_is_written(
+        runs, tmp_path, monkeypatch, capsys):
+    """A compiler that cannot build (no C++ compiler here): one line with the cause and
+    --compile=false, and no run in the folder, so the same command with --compile=false starts
+    without --overwrite."""
     import functools
 
     def no_compiler(gm, example_inputs):
         raise RuntimeError("Compiler: cc is not found")
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=no_compiler))
     err = one_error(capsys, lambda: train.main(flags(runs / "data", tmp_path / "run", "--compile")))
-    assert "--compile failed compiling the training step (RuntimeError: Compiler: cc is not found); " \
-           "run without it: --compile=false" in err
+    assert "--compile failed compiling the training step " \
+           "(RuntimeError: Compiler: cc is not found); run without it: --compile=false" in err
     assert not (tmp_path / "run").exists()
-    err = one_error(capsys, lambda: train.main(["--sample", str(runs / "gpt"), "--compile", "--num_tokens=3"]))
-    assert "--compile failed compiling the decoding step (RuntimeError: Compiler: cc is not found); " \
-           "run without it: leave out --compile" in err
+    err = one_error(capsys, lambda: train.main(["--sample", str(runs / "gpt"), "--compile",
+                                                "--num_tokens=3"]))
+    assert "--compile failed compiling the decoding step " \
+           "(RuntimeError: Compiler: cc is not found); run without it: leave out --compile" in err
 
 
 def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):
@@ -358,7 +378,8 @@ class RunsCode:
 def test_a_checkpoint_that_is_not_weights_only_is_refused_unrun(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    torch.save({"model": {}, "config": {"model": "gpt"}, "x": RunsCode(str(tmp_path / "ran"))}, run / "best.pt")
+    torch.save({"model": {}, "config": {"model": "gpt"}, "x": RunsCode(str(tmp_path / "ran"))},
+               run / "best.pt")
     err = one_error(capsys, lambda: train.main(["--sample", str(run)]))
     assert f"checkpoint {run / 'best.pt'} is not weights-only: it holds pickled objects" in err
     assert not (tmp_path / "ran").exists()
@@ -432,14 +453,16 @@ def test_one_run_folder_one_writer_and_a_killed_run_leaves_no_lock(runs, tmp_pat
         first.wait()
     assert (out / train.LOCK).exists()  # what SIGKILL leaves: a file no process holds
     step = common.load_checkpoint(str(out / "ckpt.pt"))["iter"]
-    train.main(flags(runs / "data", out, "--resume", f"--max_iters={step + 1}", "--eval_interval=5"))
+    train.main(flags(runs / "data", out, "--resume", f"--max_iters={step + 1}",
+                     "--eval_interval=5"))
     assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == step + 1
     assert not (out / train.LOCK).exists()
 
 
 def torchrun(*argv):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train.py", *map(str, argv)], cwd=ROOT, capture_output=True, text=True, timeout=180,
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", "train.py", *map(str, argv)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -472,7 +495,9 @@ EXPERIMENT_CASES = {
     "tsa.py": [(["table"], "table needs a records file"), (["table", "{tmp}/none.jsonl"], "No such file"),
                (["table", "{empty}"], "no records in"),
                (["table", "{metrics}"], "metrics.json line 1 is not an `eval` record (no model)"),
-               (["table", "{tsarec}"], "tsarec.json line 1 is not an `eval` record (no soft_loss, alpha"), (["proxy-table", "{tmp}/none"], "no finished runs in"),
+               (["table", "{tsarec}"],
+                "tsarec.json line 1 is not an `eval` record (no soft_loss, alpha"),
+               (["proxy-table", "{tmp}/none"], "no finished runs in"),
                (["curve-table", "{tmp}"], "no finished runs in"), (["proxy"], "proxy needs --seed"),
                (["curve", "--seeds=one"], "expected comma-separated ints"), (["grid", "--lrs=fast"], "floats"),
                (["proxy", "--seed=1", "--branches=hard"], "unknown hard"), (["nope"], "invalid choice")],
@@ -483,7 +508,8 @@ EXPERIMENT_CASES = {
     "compare.py": [(["--runs=gpt-L5"], "unknown gpt-L5; choose from gpt-L6"), (["--seeds=one"], "got 'one'"),
                    (["--table-only", "--quick", "--out={tmp}"], "no records in"), (["--jobs=0"], ">= 1")],
     "bench_report.py": [(["{tmp}/none.json"], "none.json: No such file"), ([], "required: json"),
-                        (["{empty}"], "not a bench.py --json file"), (["{norows}"], "no rows to tabulate"),
+                        (["{empty}"], "not a bench.py --json file"),
+                        (["{norows}"], "no rows to tabulate"),
                         (["{badrow}"], "row 2 is not a bench.py row (no B, T, dtype)"),
                         (["{listrows}"], "row 1 is not a bench.py row (not an object)"),
                         (["{results}"], "not a bench.py --json file (TypeError: rows is a dict)")],
@@ -497,11 +523,14 @@ if not torch.cuda.is_available():
 def test_experiments(script, argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "norows.json").write_text('{"rows": []}')
-    timed = {"suite": "tsa", "what": "forward", "B": 1, "T": 8, "device": "cpu", "dtype": "fp32", "speedup": 1.0}
-    files = {"badrow": {"rows": [timed, {"suite": "tsa", "what": "forward", "device": "cpu", "speedup": 2.0}]},
+    timed = {"suite": "tsa", "what": "forward", "B": 1, "T": 8, "device": "cpu", "dtype": "fp32",
+             "speedup": 1.0}
+    files = {"badrow": {"rows": [timed, {"suite": "tsa", "what": "forward", "device": "cpu",
+                                         "speedup": 2.0}]},
              "listrows": {"rows": [[1, 2]]}, "results": {"rows": {"tsa": 1.0}},
              "metrics": {"kind": "eval", "step": 4, "val_loss": 4.2},
-             "tsarec": {"run": "out/tsa/lam0.01_s1", "model": "tsa", "variant": "tsa", "seed": 1, "lam": 0.01}}
+             "tsarec": {"run": "out/tsa/lam0.01_s1", "model": "tsa", "variant": "tsa", "seed": 1,
+                        "lam": 0.01}}
     for name, content in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(content))
     argv = [a.replace("{tmp}", str(tmp_path)).replace("{empty}", str(tmp_path / "empty.jsonl"))
@@ -517,32 +546,35 @@ def test_bench_filters_that_match_nothing_and_checkpoint_rows_say_so(runs, capsy
     import bench
     assert "matches no measurement of the gpu suite (names like: decode quick tsa," in one_error(
         capsys, lambda: bench.main(["gpu", "--quick", "--only=decode quick tsx", "--device=cpu"]))
-    assert "--only picks among the gpu suite's measurements; bench.py gpt would ignore it" in one_error(
-        capsys, lambda: bench.main(["gpt", "--quick", "--only=decode", "--device=cpu"]))
-    rows = bench.main(["gpt", "--quick", "--ckpt", str(runs / "gpt" / "ckpt.pt"), "--device=cpu", "--repeats=1"])
+    assert "--only picks among the gpu suite's measurements; bench.py gpt would ignore it" in (
+        one_error(capsys, lambda: bench.main(["gpt", "--quick", "--only=decode", "--device=cpu"])))
+    rows = bench.main(["gpt", "--quick", "--ckpt", str(runs / "gpt" / "ckpt.pt"), "--device=cpu",
+                       "--repeats=1"])
     timed = [r for r in rows if r["what"] != "graphs"]
     assert timed and {r["size"] for r in timed} == {f"{runs / 'gpt' / 'ckpt.pt'}: 1 x 16, T = 16"}
 
 
 def test_a_study_handed_runs_of_another_kind_says_so(runs, tmp_path, monkeypatch, capsys):
-    """A folder of finished runs of another model (or other names) handed to a study's table: one line
-    naming the run and what the study expects, not a table of the wrong runs or a traceback."""
+    """A folder of finished runs of another model (or other names) handed to a study's table: one
+    line naming the run and what the study expects, not a table of the wrong runs or a traceback."""
     monkeypatch.setattr(sys, "path", sys.path + [EXP])
 
     def table(script, out):
         monkeypatch.setattr(sys, "argv", [script, "table", f"--out={out}"])
-        return one_error(capsys, lambda: runpy.run_path(os.path.join(EXP, script), run_name="__main__"))
+        return one_error(capsys, lambda: runpy.run_path(os.path.join(EXP, script),
+                                                        run_name="__main__"))
     study = tmp_path / "study"
     shutil.copytree(runs / "tsa", study / "bilayer_s1")
     (study / "bilayer_s1" / "done").write_text("")
-    assert f"{study / 'bilayer_s1'} is a --model tsa run; this study's runs are dtrnet, gpt" in table(
-        "dtrnet.py", study)
-    assert "is a --model tsa run; this study's runs are hybrid: pass the --out" in table("hybrid.py", study)
+    assert (f"{study / 'bilayer_s1'} is a --model tsa run; this study's runs are dtrnet, gpt"
+            in table("dtrnet.py", study))
+    assert "is a --model tsa run; this study's runs are hybrid: pass the --out" in table(
+        "hybrid.py", study)
     shutil.rmtree(study)
     shutil.copytree(runs / "gpt", study / "gpt-run")
     (study / "gpt-run" / "done").write_text("")
-    assert f"{study / 'gpt-run'} is not one of this study's runs (bilayer, dense, skip, trilayer" in table(
-        "dtrnet.py", study)
+    assert (f"{study / 'gpt-run'} is not one of this study's runs (bilayer, dense, skip, trilayer"
+            in table("dtrnet.py", study))
 
 
 @pytest.mark.parametrize("script", sorted(EXPERIMENT_CASES))

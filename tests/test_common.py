@@ -315,7 +315,8 @@ def test_tsa_hard_phase_covering_the_whole_run_starts_at_hard_ft_lr():
 
 
 # Every model, tiny, built from a Config the way train.py builds it (flags as on its command line).
-TINY = {"gpt": [], "tsa": [], "dtrnet": ["--n_layer=3"], "conddepth": [], "hybrid": ["--n_layer=4"], "mod": []}
+TINY = {"gpt": [], "tsa": [], "dtrnet": ["--n_layer=3"], "conddepth": [], "hybrid": ["--n_layer=4"],
+        "mod": []}
 
 
 def tiny_model(name, *flags):
@@ -343,7 +344,8 @@ def decay_policy(model):
 @pytest.mark.parametrize("name,flags", [
     ("gpt", ["--bias=true"]), ("tsa", ["--bias=true"]), ("tsa", ["--variant=early_exit"]),
     ("dtrnet", ["--bias=true"]), ("conddepth", []), ("conddepth", ["--controller_only=false", "--gate=G1"]),
-    ("hybrid", ["--bias=true"]), ("mod", ["--bias=true", "--predictor=mlp"])], ids=lambda v: v if isinstance(v, str) else "-".join(a[2:] for a in v) or "default")
+    ("hybrid", ["--bias=true"]), ("mod", ["--bias=true", "--predictor=mlp"])],
+    ids=lambda v: v if isinstance(v, str) else "-".join(a[2:] for a in v) or "default")
 def test_adamw_decays_matrices_only_and_holds_every_trainable_parameter_once(name, flags):
     """Every trainable parameter is in exactly one group (the tied wte/lm_head weight once, frozen ones in
     none); the decayed group is exactly the matrices, at cfg.weight_decay; biases, norms, embeddings and
@@ -501,7 +503,8 @@ def run(argv, data_dir, out_dir, **extra):
 
 
 def records(out_dir):
-    return [{k: v for k, v in r.items() if k not in train.TIMING} for r in map(json.loads, open(out_dir / "metrics.jsonl"))]
+    return [{k: v for k, v in r.items() if k not in train.TIMING}
+            for r in map(json.loads, open(out_dir / "metrics.jsonl"))]
 
 
 @pytest.mark.parametrize("edit,says", [
@@ -920,7 +923,8 @@ def test_decodes_cached_says_what_generate_runs(name, flags, monkeypatch):
         calls = []
         if hasattr(model, "prefill"):
             real = model.prefill
-            monkeypatch.setattr(model, "prefill", lambda idx, real=real: calls.append(1) or real(idx))
+            monkeypatch.setattr(model, "prefill",
+                                lambda idx, real=real: calls.append(1) or real(idx))
         model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=0, use_cache=use_cache)
         assert bool(calls) == model.decodes_cached(use_cache), (name, flags, use_cache)
 

@@ -812,7 +812,8 @@ def test_sizes_too_small_to_route_are_refused_and_the_smallest_builds():
 
 
 def test_router_decides_in_fp32_under_bf16_autocast():
-    """Eq. (1) under CPU bf16 autocast equals its fp32 computation (a bf16 matmul differs by ~1e-2)."""
+    """Eq. (1) under CPU bf16 autocast equals its fp32 computation
+    (a bf16 matmul differs by ~1e-2)."""
     torch.manual_seed(0)
     r = dtrnet.Router(dtrnet.Config(n_layer=3, n_head=4, n_embd=64))
     nn.init.normal_(r.w2.weight, 0.0, 1.0)
@@ -839,7 +840,8 @@ def test_rmsnorm_eps_pinned_at_a_scale_where_it_matters():
 
 
 def test_init_scales_pinned():
-    """common.LM's init on a D layer: router and Q/K/V N(0, 0.02), W_O N(0, 0.02/√(2L)), biases 0."""
+    """common.LM's init on a D layer: router and Q/K/V N(0, 0.02), W_O N(0, 0.02/√(2L)),
+    biases 0."""
     torch.manual_seed(0)
     m = dtrnet.Model(dtrnet.Config(n_layer=4, n_head=4, n_embd=256, layers="TDDT", bias=True))
     b = d_blocks(m)[0]
@@ -892,7 +894,8 @@ def test_kv_cache_bytes_by_value():
     fix_routers(m, table)
     _, state = m.prefill(torch.zeros(2, 10, dtype=torch.long))
     per_token = 2 * 4 * 8 * 8  # K and V, nh = 4, hs = 8
-    assert dtrnet.kv_cache_bytes(state) == ((2 * 2 * 64 + 2 * 8) * per_token, 4 * 2 * 64 * per_token)
+    assert dtrnet.kv_cache_bytes(state) == ((2 * 2 * 64 + 2 * 8) * per_token,
+                                            4 * 2 * 64 * per_token)
 
 
 def test_main_in_process(capsys):
@@ -900,9 +903,9 @@ def test_main_in_process(capsys):
     for args in ([], ["-h"], ["--help"]):
         dtrnet.main(args)
         out = capsys.readouterr().out
-        assert out == ("usage: python dtrnet.py [-h]\nDefines the DTRNet model (no commands): train "
-                       "it with `python train.py --model dtrnet`, time it with `python bench.py "
-                       "dtrnet`.\n")
+        assert out == ("usage: python dtrnet.py [-h]\nDefines the DTRNet model (no commands): "
+                       "train it with `python train.py --model dtrnet`, time it with `python "
+                       "bench.py dtrnet`.\n")
     with pytest.raises(common.NanorouteError, match=r"^dtrnet.py takes no arguments, got 'a b'$"):
         dtrnet.main(["a", "b"])
 

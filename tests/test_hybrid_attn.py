@@ -700,7 +700,7 @@ def test_command_line(args, rc):
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and not r.stdout
 
 
-# ---------------------------------------------------------------- values pinned where a change shows
+# --------------------------------------------------------------- values pinned where a change shows
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(gdn_head_dim=-1), "gdn_head_dim"), (dict(gdn_expand_v=0), "gdn_expand_v"),
@@ -795,8 +795,10 @@ def test_flops_gdn_by_value():
     assert H.flops_saved(cfg, 32, None, "cpu").item() == pytest.approx(want, rel=1e-6)
     cfg = tiny()
     for s in (0.0, 0.3, 1.0):  # skipped: the GDN share; flops_per_token takes the softmax share
-        want = 1 - H.flops_per_token(cfg, 32, 1 - s, sparse=True) / common.dense_flops_per_token(cfg, 32)
-        assert H.flops_saved(cfg, 32, torch.tensor(s), "cpu").item() == pytest.approx(want, rel=1e-6)
+        want = 1 - (H.flops_per_token(cfg, 32, 1 - s, sparse=True)
+                    / common.dense_flops_per_token(cfg, 32))
+        assert H.flops_saved(cfg, 32, torch.tensor(s), "cpu").item() == pytest.approx(
+            want, rel=1e-6)
 
 
 def test_temperature_schedule_from_a_start_other_than_1():

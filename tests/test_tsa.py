@@ -808,7 +808,8 @@ def test_cli_smoke(data_dir, tmp_path, capsys):
 def test_config_edges_are_valid():
     """The ends of each valid range build (the refusals are test_bad_config_is_one_line_error)."""
     for ok in (dict(n_layer=2), dict(lam=0.0), dict(threshold=0.0), dict(threshold=1.0),
-               dict(exec_share=1.0, hard_ft_routers="calibrate"), dict(hard_ft_lr=1e-4, min_lr=1e-4),
+               dict(exec_share=1.0, hard_ft_routers="calibrate"),
+               dict(hard_ft_lr=1e-4, min_lr=1e-4),
                dict(exec_share=0.0, hard_ft_routers="calibrate"), dict(router_bias=-30.0)):
         tiny(**ok)
     with pytest.raises(common.NanorouteError, match="n_layer must be >= 2"):
@@ -854,7 +855,8 @@ def test_router_widths_init_and_flops_by_value():
     exactly, the rest of the router N(0, 0.02) as every matrix."""
     assert tsa.Router(66).fc1.out_features == 16 and tsa.Router(100).fc1.out_features == 25
     assert tsa.Router(32).fc1.out_features == 16
-    assert tsa.flops_router(66) == 2 * (66 * 16 + 16) and tsa.flops_router(100) == 2 * (100 * 25 + 25)
+    assert tsa.flops_router(66) == 2 * (66 * 16 + 16) and tsa.flops_router(100) == 2 * (
+        100 * 25 + 25)
     assert tsa.flops_router(32) == 2 * (32 * 16 + 16)  # the floor of 16
     for bias in (-1.0, -2.5):
         torch.manual_seed(0)
@@ -908,7 +910,8 @@ def test_exit_flops_by_value():
     cfg = tiny(variant="early_exit", block_size=16)
     kv, per_query, ffn, head = 4096, 2048 + 2048 + 1088, 16384, 3200
     for a in (0.0, 0.25, 1.0):
-        want = kv + per_query + ffn + 3 * (kv + a * (per_query + ffn) + head * (1 + 2 * a) / 3) + head
+        want = (kv + per_query + ffn + 3 * (kv + a * (per_query + ffn) + head * (1 + 2 * a) / 3)
+                + head)
         assert tsa.flops_per_token(cfg, 16, a, "exit") == pytest.approx(want, rel=1e-12)
 
 
