@@ -266,6 +266,8 @@ def table(records):
         vs_line, vs_control = "dense", "–"
         if not on_line(name, rs):
             vs_line = verdict(loss, sd, at) + (f" (with {rs[0]['iters']} more steps)" if parent(name) else "")
+            if "iters_x" in RUNS.get(name, ("", {}))[1]:  # isoFLOP: more steps, not on the line
+                vs_line += f" ({rs[0]['iters']} steps: {REF}'s training FLOPs)"
             if control_of(name):
                 vs_control = control_verdict(rs, groups.get(control_of(name), []))
             elif rs[0]["model"] == "gpt" and parent(name):
