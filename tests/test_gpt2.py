@@ -304,3 +304,63 @@ def test_refused_in_one_line_before_any_work(hf, data_dir, tmp_path, monkeypatch
     assert says.format(**fill) in err, err
     assert not os.path.exists(out)  # nothing written
     assert not os.path.exists(os.path.join(data_dir, "hf", "gpt2-medium", "config.json"))
+
+
+SMALL_HF = {"model_type": "gpt2", "vocab_size": 50, "n_positions": 16, "n_layer": 2, "n_head": 2,
+            "n_embd": 8}
+
+
+@pytest.mark.parametrize("fields,says", [
+    ({}, None), ({"activation_function": "gelu_new"}, None),
+    ({"activation_function": "gelu_pytorch_tanh"}, None), ({"activation_function": "gelu"}, None),
+    ({"n_inner": 32, "n_ctx": 16, "layer_norm_epsilon": 1e-5}, None),
+    ({"n_inner": None, "scale_attn_weights": True, "tie_word_embeddings": True}, None),
+    ({"architectures": ["GPT2Model"], "add_cross_attention": False}, None),
+    ({"architectures": None, "scale_attn_by_inverse_layer_idx": False}, None),
+    ({"activation_function": "relu"}, "activation_function 'relu' is not GPT-2's"),
+    ({"model_type": "llama"}, "model_type 'llama' is not GPT-2's"),
+    ({"model_type": None}, "model_type None is not GPT-2's"),
+    ({"n_inner": 16}, "n_inner 16 is not GPT-2's"),
+    ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon 1e-06 is not GPT-2's"),
+    ({"layer_norm_epsilon": 0}, "layer_norm_epsilon 0 is not GPT-2's"),
+    ({"scale_attn_weights": False}, "another attention scale is not GPT-2's"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "another attention scale is not GPT-2's"),
+    ({"tie_word_embeddings": False}, "an untied head is not GPT-2's"),
+    ({"add_cross_attention": True}, "cross-attention is not GPT-2's"),
+    ({"n_ctx": 8}, "n_ctx 8 unlike n_positions 16 is not GPT-2's"),
+    ({"architectures": ["GPT2LMHeadModel", "X"]}, "architectures ['GPT2LMHeadModel', 'X'] is"),
+    ({"vocab_size": None}, "vocab_size is None, not int: not a GPT-2 config"),
+    ({"n_positions": 16.0}, "n_positions is 16.0, not int"),
+    ({"n_ctx": True}, "n_ctx is True, not int"),
+    ({"scale_attn_weights": 1}, "scale_attn_weights is 1, not bool"),
+    ({"activation_function": 1}, "activation_function is 1, not str"),
+    ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon is '1e-5', not int"),
+    ({"n_embd": -8}, "n_embd is -8, not a size: not a GPT-2 config"),
+    ({"vocab_size": 0, "n_layer": 0}, "vocab_size is 0, not a size"),
+])
+def test_gpt2_config_maps_or_refuses_each_field(tmp_path, fields, says):
+    """Each field that changes the function: GPT-2's value (or its absence) is mapped, any
+    other refused in one line naming the file and the field."""
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL_HF, **fields}))
+    if says is None:
+        gelu = "none" if fields.get("activation_function") == "gelu" else "tanh"
+        assert train.gpt2_config(str(tmp_path)) == dict(vocab_size=50, block_size=16, n_layer=2,
+                                                        n_head=2, n_embd=8, bias=True, gelu=gelu)
+        return
+    with pytest.raises(common.NanorouteError) as e:
+        train.gpt2_config(str(tmp_path))
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: {says}"), str(e.value)
+
+
+def test_a_gpt2_config_that_is_no_json_object_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    for text, says in (("[1]", "is not a GPT-2 config (a JSON list, not an object)"),
+                       ("{", "is not a GPT-2 config (JSONDecodeError: "),
+                       (None, "is not a GPT-2 config (FileNotFoundError: ")):
+        if text is not None:
+            path.write_text(text)
+        else:
+            path.unlink()
+        with pytest.raises(common.NanorouteError) as e:
+            train.gpt2_config(str(tmp_path))
+        assert str(e.value).startswith(f"{path} {says}"), str(e.value)
