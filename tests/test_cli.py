@@ -904,3 +904,67 @@ def test_is_hf_gpt2_and_the_model_names(tmp_path):
     assert train.out_dir_of(common.Config(model="tsa", dataset="copy")) == os.path.join("out",
                                                                                       "tsa-copy")
     assert train.out_dir_of(common.Config(out_dir="mine")) == "mine"
+
+
+def test_check_fits_refuses_too_few_windows_and_too_little_memory_by_value(monkeypatch):
+    cfg = common.Config(block_size=50, n_layer=1, n_head=2, n_embd=16, vocab_size=65,
+                        batch_size=2)
+    cpu = torch.device("cpu")
+    train.check_fits(cfg, {"val_tokens": 100}, common, cpu)  # 2·T windows' worth: enough
+    assert refused(train.check_fits, cfg, {"val_tokens": 99}, common, cpu) == (
+        "block_size=50 is more than half of shakespeare's validation split (99 tokens): too few "
+        "distinct windows to evaluate on")
+    assert "(0 tokens)" in refused(train.check_fits, cfg, {}, common, cpu)
+    params = sum(t.numel() for t in common.Model(cfg).state_dict().values())
+    state, act = train.train_memory(cfg, params)
+    ram = {"SC_PAGE_SIZE": 2, "SC_PHYS_PAGES": state + act}  # half of it: exactly the need
+    monkeypatch.setattr(os, "sysconf", lambda k: ram[k])
+    train.check_fits(cfg, {"record_len": 11}, common, cpu)  # records: no windows to count
+    ram["SC_PHYS_PAGES"] -= 1
+    assert refused(train.check_fits, cfg, {"val_tokens": 100}, common, cpu) == (
+        f"this run would need ~{(state + act) / 2 ** 30:,.1f} GiB to train ({params / 1e6:,.1f}M "
+        f"parameters with their gradients and AdamW's moments: {state / 2 ** 30:,.1f} GiB; "
+        f"activations at batch_size=2, block_size=50: ~{act / 2 ** 30:,.1f} GiB), more than half "
+        f"of this machine's memory ({(state + act - 1) / 2 ** 30:,.0f} GiB)")
+    monkeypatch.delattr(os, "sysconf")  # memory unknown: not refused
+    train.check_fits(dataclasses.replace(cfg, n_embd=1 << 20), {"val_tokens": 100}, common, cpu)
+
+
+def test_check_fits_refuses_a_size_the_model_cannot_be_built_with(monkeypatch):
+    def no_build(cfg):
+        raise ValueError("a width of 0\nsecond line")
+    monkeypatch.setattr(common, "Model", no_build)
+    assert refused(train.check_fits, common.Config(), {"val_tokens": 10 ** 6}, common,
+                   torch.device("cpu")) == "--model gpt cannot be built with these sizes: a width of 0"
+
+
+def test_run_lock_one_writer_per_folder(tmp_path, monkeypatch):
+    import fcntl
+    import socket
+    out, me = tmp_path / "run", f"pid {os.getpid()} on {socket.gethostname()}"
+    with train.run_lock(str(out)):
+        assert (out / train.LOCK).read_text() == me + "\n"
+        assert (out / train.LOCK).stat().st_mode & 0o777 == 0o644
+        assert refused(lambda: train.run_lock(str(out)).__enter__()) == (
+            f"{out} is being trained by {me} ({out / train.LOCK}): one run folder has one writer; "
+            "wait for that run to end or stop it, or choose another --out_dir")
+    assert not out.exists()  # made by the lock, left empty: removed
+    out.mkdir()
+    with train.run_lock(str(out)):
+        pass
+    assert out.exists() and os.listdir(out) == []  # the user's (empty) folder stays
+    (out / "ckpt.pt").write_text("")
+    (out / train.LOCK).write_text("pid 1 on a machine that was killed long ago\n")  # a leftover
+    with train.run_lock(str(out)):
+        assert (out / train.LOCK).read_text() == me + "\n"
+    assert os.listdir(out) == ["ckpt.pt"]
+    fd = os.open(out / train.LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a holder that wrote nothing yet
+        assert "is being trained by another process (" in refused(
+            lambda: train.run_lock(str(out)).__enter__())
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(train, "fcntl", None)  # Windows: no lock
+    with train.run_lock(str(tmp_path / "win")):
+        assert not (tmp_path / "win").exists()

@@ -364,3 +364,46 @@ def test_a_gpt2_config_that_is_no_json_object_is_refused(tmp_path):
         with pytest.raises(common.NanorouteError) as e:
             train.gpt2_config(str(tmp_path))
         assert str(e.value).startswith(f"{path} {says}"), str(e.value)
+
+
+def tiny_gpt2(folder, **extra):
+    """A 1-layer GPT-2's model.safetensors in HF's layout (Conv1D weights (in, out)), C=4."""
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    g = torch.Generator().manual_seed(0)
+    shapes = {"wte.weight": (10, 4), "wpe.weight": (8, 4), "ln_f.weight": (4,), "ln_f.bias": (4,)}
+    for k, shape in {"ln_1.weight": (4,), "ln_1.bias": (4,), "attn.c_attn.weight": (4, 12),
+                     "attn.c_attn.bias": (12,), "attn.c_proj.weight": (4, 4),
+                     "attn.c_proj.bias": (4,), "ln_2.weight": (4,), "ln_2.bias": (4,),
+                     "mlp.c_fc.weight": (4, 16), "mlp.c_fc.bias": (16,),
+                     "mlp.c_proj.weight": (16, 4), "mlp.c_proj.bias": (4,)}.items():
+        shapes[f"h.0.{k}"] = shape
+    sd = {k: torch.randn(*s, generator=g) for k, s in shapes.items()}
+    sd.update(extra)
+    os.makedirs(folder, exist_ok=True)
+    save_file(sd, os.path.join(folder, "model.safetensors"))
+    return sd
+
+
+def test_gpt2_state_dict_maps_each_name_and_refuses_the_rest(tmp_path):
+    hf_sd = tiny_gpt2(tmp_path / "a")
+    sd = train.gpt2_state_dict(str(tmp_path / "a"), 1, 8)
+    assert torch.equal(sd["blocks.0.mlp.c_proj.weight"], hf_sd["h.0.mlp.c_proj.weight"].t())
+    assert torch.equal(sd["blocks.0.ln_2.bias"], hf_sd["h.0.ln_2.bias"])
+    assert torch.equal(sd["wpe.weight"], hf_sd["wpe.weight"]) and sd["lm_head.weight"] is \
+        sd["wte.weight"]
+    assert train.gpt2_state_dict(str(tmp_path / "a"), 1, 5)["wpe.weight"].shape == (5, 4)
+    with pytest.raises(common.NanorouteError) as e:
+        train.gpt2_state_dict(str(tmp_path / "a"), 1, 9)
+    assert str(e.value) == "block_size=9 is longer than the checkpoint's 8 positions"
+    tiny_gpt2(tmp_path / "b", **{"lm_head.weight": hf_sd["wte.weight"].clone()})  # tied: kept
+    assert set(train.gpt2_state_dict(str(tmp_path / "b"), 1, 8)) == set(sd)
+    tiny_gpt2(tmp_path / "c", **{"lm_head.weight": hf_sd["wte.weight"] + 1})
+    with pytest.raises(common.NanorouteError, match="has an lm_head unlike wte: nanoroute's head "
+                       "is tied"):
+        train.gpt2_state_dict(str(tmp_path / "c"), 1, 8)
+    tiny_gpt2(tmp_path / "d", **{"h.0.attn.rotary": torch.zeros(1), "h.1.ln_1.weight":
+                                 torch.zeros(4)})
+    with pytest.raises(common.NanorouteError) as e:
+        train.gpt2_state_dict(str(tmp_path / "d"), 1, 8)
+    assert str(e.value) == (f"{tmp_path / 'd' / 'model.safetensors'} does not hold a 1-layer "
+                            "GPT-2: blocks.0.attn.rotary, blocks.1.ln_1.weight")
