@@ -935,16 +935,22 @@ def test_check_fits_refuses_a_size_the_model_cannot_be_built_with(monkeypatch):
         raise ValueError("a width of 0\nsecond line")
     monkeypatch.setattr(common, "Model", no_build)
     assert refused(train.check_fits, common.Config(), {"val_tokens": 10 ** 6}, common,
-                   torch.device("cpu")) == "--model gpt cannot be built with these sizes: a width of 0"
+                   torch.device("cpu")) == ("--model gpt cannot be built with these sizes: a "
+                                            "width of 0")
 
 
 def test_run_lock_one_writer_per_folder(tmp_path, monkeypatch):
     import fcntl
     import socket
     out, me = tmp_path / "run", f"pid {os.getpid()} on {socket.gethostname()}"
+    umask = os.umask(0)  # the mode asked for, not what a umask leaves of another
+    try:
+        with train.run_lock(str(out)):
+            assert (out / train.LOCK).read_text() == me + "\n"
+            assert (out / train.LOCK).stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)
     with train.run_lock(str(out)):
-        assert (out / train.LOCK).read_text() == me + "\n"
-        assert (out / train.LOCK).stat().st_mode & 0o777 == 0o644
         assert refused(lambda: train.run_lock(str(out)).__enter__()) == (
             f"{out} is being trained by {me} ({out / train.LOCK}): one run folder has one writer; "
             "wait for that run to end or stop it, or choose another --out_dir")

@@ -317,6 +317,7 @@ SMALL_HF = {"model_type": "gpt2", "vocab_size": 50, "n_positions": 16, "n_layer"
     ({"n_inner": None, "scale_attn_weights": True, "tie_word_embeddings": True}, None),
     ({"architectures": ["GPT2Model"], "add_cross_attention": False}, None),
     ({"architectures": None, "scale_attn_by_inverse_layer_idx": False}, None),
+    ({"architectures": ["GPT2LMHeadModel", "GPT2Model"]}, None),
     ({"activation_function": "relu"}, "activation_function 'relu' is not GPT-2's"),
     ({"model_type": "llama"}, "model_type 'llama' is not GPT-2's"),
     ({"model_type": None}, "model_type None is not GPT-2's"),
@@ -401,9 +402,10 @@ def test_gpt2_state_dict_maps_each_name_and_refuses_the_rest(tmp_path):
     with pytest.raises(common.NanorouteError, match="has an lm_head unlike wte: nanoroute's head "
                        "is tied"):
         train.gpt2_state_dict(str(tmp_path / "c"), 1, 8)
-    tiny_gpt2(tmp_path / "d", **{"h.0.attn.rotary": torch.zeros(1), "h.1.ln_1.weight":
-                                 torch.zeros(4)})
+    tiny_gpt2(tmp_path / "d", **{k: torch.zeros(1) for k in (
+        "h.0.attn.rotary", "h.1.ln_1.weight", "h.1.ln_2.weight", "zz")})  # the first 3 named
     with pytest.raises(common.NanorouteError) as e:
         train.gpt2_state_dict(str(tmp_path / "d"), 1, 8)
     assert str(e.value) == (f"{tmp_path / 'd' / 'model.safetensors'} does not hold a 1-layer "
-                            "GPT-2: blocks.0.attn.rotary, blocks.1.ln_1.weight")
+                            "GPT-2: blocks.0.attn.rotary, blocks.1.ln_1.weight, "
+                            "blocks.1.ln_2.weight")
