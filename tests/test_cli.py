@@ -1,6 +1,7 @@
 """Every entry point survives a careless user: --help, a bad input is one `error:` line with exit 2 and no
 traceback, nothing a run wrote is replaced without --overwrite, Ctrl-C says how to resume. One parametrised test
 per entry point holds its cases; subprocesses only where a real process is the point (signals, torchrun)."""
+import dataclasses
 import json
 import os
 import runpy
@@ -595,3 +596,381 @@ def test_paper_file_output_into_a_closed_pipe_is_quiet(script):
                        shell=True, executable="/bin/bash", cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0 and p.stderr == "", p.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# train.py's rules called directly, each value pinned (mutation testing found these unpinned)
+
+def refused(call, *args, **kw):
+    """call(*args, **kw) must raise NanorouteError: its message."""
+    with pytest.raises(common.NanorouteError) as e:
+        call(*args, **kw)
+    return str(e.value)
+
+
+def test_parse_value_reads_each_type_and_refuses_the_rest(monkeypatch):
+    pv = train.parse_value
+    assert all(pv("compile", bool, t) is True for t in ("1", "true", "True", "YES", "on", None))
+    assert all(pv("compile", bool, t) is False for t in ("0", "false", "No", "OFF"))
+    assert pv("seed", int, "12") == 12 and pv("seed", int, "0") == 0
+    assert pv("learning_rate", float, "1e-3") == 1e-3 and pv("lam", float, "0") == 0.0
+    monkeypatch.setenv("HOME", "/home/u")
+    for name in train.PATHS:
+        assert pv(name, str, "~/run") == "/home/u/run"
+    assert pv("prompt", str, "~x") == "~x" and pv("model", str, "gpt") == "gpt"
+    assert refused(pv, "seed", int, None) == "--seed needs a value"
+    assert refused(pv, "out_dir", str, None) == "--out_dir needs a value"
+    assert refused(pv, "seed", int, "1.5") == "--seed expects int, got '1.5'"
+    assert refused(pv, "compile", bool, "maybe") == "--compile expects bool, got 'maybe'"
+    assert refused(pv, "compile", bool, "") == "--compile expects bool, got ''"
+    for text in ("nan", "inf", "-inf"):
+        assert refused(pv, "lr", float, text) == f"--lr must be a finite number, got {text!r}"
+
+
+def test_split_flags_by_value():
+    sf = train.split_flags
+    assert sf(["--a=1", "--b", "2", "--c"]) == {"a": "1", "b": "2", "c": None}
+    assert sf(["--c", "--d", "x", "--e=x=y"]) == {"c": None, "d": "x", "e": "x=y"}
+    assert sf([]) == {} and sf(["--p="], may_be_empty=("p",)) == {"p": ""}
+    assert sf(["--p", "", "--q"], may_be_empty=("p",)) == {"p": "", "q": None}
+    for argv in (["x"], ["--"], ["-a"], ["--a=1", "b"]):
+        assert refused(sf, argv) == (f"unexpected argument {argv[-1]!r}; flags look like "
+                                     "--key=value (see --help)")
+    assert refused(sf, ["--a", "--a=2"]) == "--a is given twice; give each flag once"
+    assert refused(sf, ["--a="]) == ("--a has an empty value; give a value or leave the flag "
+                                     "out")
+    assert refused(sf, ["--a", ""], may_be_empty=("b",)).startswith("--a has an empty value")
+
+
+def test_show_and_duration_by_value():
+    assert [train.show(v) for v in (True, False, "", "a b", 3, 0, 0.5, "x")] == \
+        ["true", "false", "''", "'a b'", "3", "0", "0.5", "x"]
+    assert [train._duration(s) for s in (-3, 0, 59.4, 59.6, 60, 61, 3725)] == \
+        ["0s", "0s", "59s", "1m00s", "1m00s", "1m01s", "62m05s"]
+
+
+def test_train_memory_by_value():
+    cfg = common.Config(batch_size=2, block_size=8, n_embd=16, n_layer=3, n_head=2, vocab_size=50)
+    act = 4 * (16 * 2 * 8 * 16 * 3 + 2 * 2 * 2 * 8 * 8 + 3 * 2 * 8 * 50)
+    assert train.train_memory(cfg, 1000) == (16000, act)
+
+
+def test_ddp_env_reads_torchruns_variables(monkeypatch):
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    for k in keys:
+        monkeypatch.delenv(k, raising=False)
+    assert train.ddp_env() == (False, 0, 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert refused(train.ddp_env) == ("RANK=1 is set but not WORLD_SIZE, MASTER_ADDR, LOCAL_RANK: "
+                                      "a leftover of another job? unset RANK, or start the run "
+                                      "with torchrun")
+    for k, v in zip(keys[1:], ("2", "localhost", "29500", "1")):
+        monkeypatch.setenv(k, v)
+    assert train.ddp_env() == (True, 1, 2)
+    monkeypatch.setenv("RANK", "0")
+    assert train.ddp_env() == (True, 0, 2)
+    for rank, world in (("2", "2"), ("-1", "2")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        assert refused(train.ddp_env) == f"RANK={rank} is not in 0..WORLD_SIZE-1=1"
+    monkeypatch.setenv("RANK", "x")
+    assert refused(train.ddp_env) == ("RANK='x' and WORLD_SIZE='2' must be numbers (torchrun "
+                                      "sets them)")
+
+
+def test_on_rank0_runs_the_check_on_rank_0_alone_and_raises_its_verdict():
+    calls = []
+    assert train.on_rank0(lambda: calls.append(1) or "out", False, True) == "out"
+    assert train.on_rank0(lambda: calls.append(2), False, False) is None and calls == [1]
+
+    def raises(e):
+        def check():
+            raise e
+        return check
+    assert refused(train.on_rank0, raises(common.NanorouteError("no")), False, True) == "no"
+    assert refused(train.on_rank0, raises(OSError(28, "No space left", "/x/ckpt.pt")), False,
+                   True) == "/x/ckpt.pt: No space left"
+    assert refused(train.on_rank0, raises(OSError("disk gone")), False, True) == "disk gone"
+    with pytest.raises(ValueError):  # not a refusal: a bug, with its traceback
+        train.on_rank0(raises(ValueError("bug")), False, True)
+
+
+def test_compile_failure_names_the_root_cause_of_a_compiler_error():
+    class CompilerError(Exception):
+        pass
+    CompilerError.__module__ = "torch._inductor.exc"
+
+    class Dynamo(Exception):
+        pass
+    Dynamo.__module__ = "torch._dynamo.exc"
+    cause = RuntimeError("cc is not found\nsecond line")
+    outer = CompilerError("backend failed")
+    outer.__cause__ = cause
+    e = train.compile_failure(outer, "the step", "--compile=false")
+    assert str(e) == ("--compile failed compiling the step (RuntimeError: cc is not found); run "
+                      "without it: --compile=false")
+    wrapped = Dynamo("wrapper")
+    wrapped.inner_exception = ValueError("x" * 300)  # BackendCompilerFailed's own attribute
+    e = train.compile_failure(wrapped, "w", "f")
+    assert str(e) == f"--compile failed compiling w (ValueError: {'x' * 200}); run without it: f"
+    ctx = ValueError("")
+    low = RuntimeError("model's own error")
+    low.__context__ = ctx
+    top = Dynamo("top")
+    top.__context__ = low
+    assert "(ValueError: ); run" in str(train.compile_failure(top, "w", "f"))
+    model_error = RuntimeError("shape mismatch")
+    model_error.__cause__ = ValueError("inner")
+    assert train.compile_failure(model_error, "w", "f") is None  # eager raises it too
+    loop = Dynamo("loop")
+    loop.__context__ = loop  # a cycle ends (20 links)
+    assert "(Dynamo: loop)" in str(train.compile_failure(loop, "w", "f"))
+
+
+def test_resume_line_gives_the_command_that_continues(tmp_path, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = common.Config(out_dir=str(tmp_path))
+    argv = ["--model=gpt", "--lam", "--overwrite", "--n_layer", "2", "--resume=false"]
+    assert train.resume_line(argv, cfg) == (
+        "interrupted before the first checkpoint; start again with: python train.py "
+        "--model=gpt --lam --n_layer=2 --overwrite")
+    (tmp_path / "ckpt.pt").write_text("")
+    assert train.resume_line(argv, cfg) == ("interrupted; continue with: python train.py "
+                                            "--model=gpt --lam --n_layer=2 --resume")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert train.resume_line(["--out_dir=a b"], cfg) == (
+        "interrupted; continue with: torchrun --standalone --nproc_per_node=3 train.py "
+        "'--out_dir=a b' --resume")
+
+
+def test_differences_names_what_a_checkpoint_and_the_run_disagree_on():
+    cfg = common.Config(n_layer=2, n_embd=32, n_head=2, out_dir="a", device="cpu", max_iters=5)
+    saved = dict(n_layer=3, n_embd=32, out_dir="b", device="cuda", max_iters=9, n_head=4,
+                 nope=1)
+    assert train.differences(saved, cfg) == "n_layer=3 (this run: 2), n_head=4 (this run: 2)"
+    assert train.differences({}, cfg) == ""
+
+
+def test_read_metrics_drops_only_a_cut_last_line(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    assert train.read_metrics(str(path)) == []
+    path.write_text('{"a": 1}\n{"b": 2}\n')
+    assert train.read_metrics(str(path)) == [{"a": 1}, {"b": 2}]
+    path.write_text('{"a": 1}\n{"b": 2}\n{"kind": "tr')
+    assert train.read_metrics(str(path)) == [{"a": 1}, {"b": 2}]
+    assert capsys.readouterr().out == (f"note: {path}: dropped its last line, cut short "
+                                       "('{\"kind\": \"tr')\n")
+    path.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
+    assert refused(train.read_metrics, str(path)) == (f"{path}: line 2 is not JSON; fix or remove "
+                                                      "that line")
+
+
+def test_resolve_takes_the_datas_vocabulary_and_record_length(capsys):
+    cfg = common.Config(vocab_size=100, block_size=64, dataset="copy")
+    got = train.resolve(cfg, {"vocab_size": 35, "record_len": 23})
+    assert (got.vocab_size, got.block_size, got.out_dir) == (35, 22, os.path.join("out",
+                                                                                  "gpt-copy"))
+    assert capsys.readouterr().out == ("note: vocab_size 100 -> 35, copy's vocabulary (the data "
+                                       "decides it)\nnote: copy trains on whole records: "
+                                       "block_size 64 -> 22\n")
+    same = train.resolve(dataclasses.replace(got, out_dir="x"), {"vocab_size": 35,
+                                                                 "record_len": 23})
+    assert same == dataclasses.replace(got, out_dir="x") and capsys.readouterr().out == ""
+    assert train.resolve(cfg, {"vocab_size": 100}).block_size == 64
+
+
+def test_saved_config_is_the_runs_config_json_or_its_checkpoints_copy(tmp_path):
+    out = tmp_path / "run"
+    assert refused(train.saved_config, str(out)) == f"--resume: no {out / 'ckpt.pt'} to resume from"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    assert refused(train.saved_config, str(out)) == (
+        f"--resume: no {out / 'ckpt.pt'} to resume from; the run stopped before its first "
+        "checkpoint: start it again with --overwrite")
+    saved = dataclasses.asdict(common.Config(n_layer=2))
+    common.save_checkpoint(str(out / "ckpt.pt"), model={}, config=saved)
+    assert train.saved_config(str(out)) == (saved, str(out / "ckpt.pt"))  # no config.json
+    (out / "config.json").write_text(json.dumps(dict(saved, n_layer=3)))
+    assert train.saved_config(str(out)) == (dict(saved, n_layer=3), str(out / "config.json"))
+    (out / "config.json").write_text("{")
+    assert refused(train.saved_config, str(out)) == (
+        f"{out / 'config.json'} is not readable JSON (JSONDecodeError): it holds the run's flags; "
+        "restore it, or delete it to use ckpt.pt's copy")
+    for bad in ([saved], {"model": "mlp"}, {}):
+        (out / "config.json").write_text(json.dumps(bad))
+        assert refused(train.saved_config, str(out)) == (
+            f"{out / 'config.json'} is not a nanoroute run's config (no known model in it)")
+    (out / "config.json").write_text(json.dumps(dict(saved, model="tsa", d=1, c=2, b=3, a=4)))
+    assert refused(train.saved_config, str(out)) == (
+        f"{out / 'config.json'} has fields --model tsa does not know (a, b, c): it was written by "
+        "other code")
+    (out / "config.json").write_text(json.dumps(dict(saved, model="tsa", lam=0.5)))
+    assert train.saved_config(str(out))[0]["lam"] == 0.5  # a field of tsa's Config
+
+
+def test_resumed_values_keep_the_runs_values_but_for_what_may_change():
+    saved = {"model": "gpt", "dataset": "shakespeare", "seed": 1, "max_iters": 4, "out_dir": "x"}
+    values = {"model": "gpt", "dataset": "shakespeare", "seed": 1, "max_iters": 9, "lam": 0.5}
+    assert train.resumed_values(saved, os.path.join("runs", "a", "config.json"), values, {}) == \
+        {**saved, "max_iters": 9, "lam": 0.5, "out_dir": os.path.join("runs", "a")}
+    assert train.resumed_values(saved, "config.json", dict(values, out_dir="y"), {}) == \
+        {**saved, "max_iters": 9, "lam": 0.5, "out_dir": "y"}
+    assert train.resumed_values(saved, "config.json", values, {})["out_dir"] == "."
+    # the run's kind is named first, whatever else differs
+    err = refused(train.resumed_values, saved, "c.json", dict(values, seed=2, model="tsa"),
+                  {"model": "--model", "seed": "--seed"})
+    assert err == ("--resume: --model asks for model=tsa but c.json has model=gpt; a resumed run "
+                   "keeps its values: drop --model (may change: --" + ", --".join(train.MAY_CHANGE)
+                   + ")")
+    err = refused(train.resumed_values, saved, "c.json", dict(values, seed=2), {})
+    assert err.startswith("--resume: --seed asks for seed=2 but c.json has seed=1;")
+
+
+def test_encode_prompt_by_dataset():
+    meta = {"dataset": "shakespeare", "itos": ["\n", " ", "a", "b"]}
+    assert train.encode_prompt(meta, "ab a\n") == [2, 3, 1, 2, 0]
+    assert refused(train.encode_prompt, meta, "zab!") == (
+        "the prompt has characters Tiny Shakespeare never uses: '!z'")
+    bpe = {"dataset": "shakespeare_bpe", "encoding": "r50k_base"}
+    assert train.encode_prompt(bpe, "Hello world") == [15496, 995]
+    assert train.encode_prompt({"dataset": "enwik8"}, "aé") == [97, 195, 169]
+    task = {"dataset": "copy", "vocab_size": common.TASK_VOCAB + 3}
+    assert train.encode_prompt(task, "[BOS] 3 31 0 [SEP] [EOS]") == [32, 3, 31, 0, 33, 34]
+    assert refused(train.encode_prompt, task, "3 x") == (
+        "a copy prompt is space-separated numbers 0..31 and [BOS]/[SEP]/[EOS], got '3 x'")
+    for ids in ("35", "-1"):
+        assert refused(train.encode_prompt, task, ids) == "prompt ids must be in 0..34"
+    assert train.encode_prompt(task, "34") == [34]
+
+
+def safetensors(path, header, data_len, n=None):
+    raw = json.dumps(header).encode()
+    path.write_bytes((len(raw) if n is None else n).to_bytes(8, "little") + raw
+                     + bytes(data_len))
+    return str(path)
+
+
+def test_safetensors_header_by_value(tmp_path):
+    f = tmp_path / "x.safetensors"
+    good = {"__metadata__": {"format": "pt"},
+            "b": {"dtype": "BF16", "shape": [3], "data_offsets": [16, 22]},
+            "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+            "e": {"dtype": "F64", "shape": [0], "data_offsets": [22, 22]}}
+    n = len(json.dumps(good).encode())
+    got = train.safetensors_header(safetensors(f, good, 22))
+    assert got == {"a": ("<f4", torch.float32, [2, 2], 8 + n),
+                   "b": ("<u2", torch.bfloat16, [3], 8 + n + 16),
+                   "e": ("<f8", torch.float64, [0], 8 + n + 22)}
+    assert train.read_safetensors(str(f))["b"].dtype == torch.bfloat16
+    assert train.safetensors_header(safetensors(f, {}, 0)) == {}  # the shortest header, "{}"
+
+    def says(header, data_len, n=None):
+        return refused(train.safetensors_header, safetensors(f, header, data_len, n))
+    one = {"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}
+    size = 8 + len(json.dumps(one)) + 4
+    assert f"(ValueError: header length {size - 7} in a file of {size} bytes)" in says(one, 4,
+                                                                                      size - 7)
+    assert "(ValueError: header length 1 in a file of" in says(one, 4, 1)
+    assert "(ValueError: the header is no JSON object)" in says([1, 2], 0)
+    assert "(KeyError: 'F8')" in says({"a": {"dtype": "F8", "shape": [2], "data_offsets": [0, 2]}},
+                                      2)
+    for shape, offsets in (([2], [-4, 0]), ([True, 2], [0, 4]), ([2.0], [0, 4]), ([-2], [0, 4])):
+        bad = {"a": {"dtype": "F16", "shape": shape, "data_offsets": offsets}}
+        assert "are not counts" in says(bad, 4), shape
+    for shape, offsets in (([3], [0, 4]), ([2], [2, 6])):  # not its size; past the file's end
+        bad = {"a": {"dtype": "F16", "shape": shape, "data_offsets": offsets}}
+        assert f"(ValueError: a: data_offsets {offsets} do not hold shape {shape})" in says(bad, 4)
+    assert says(one, 3).endswith("is not a readable safetensors file (ValueError: a: data_offsets "
+                                 "[0, 4] do not hold shape [2]); delete it and download it again")
+    touching = {"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
+                "b": {"dtype": "F16", "shape": [1], "data_offsets": [4, 6]}}
+    assert set(train.safetensors_header(safetensors(f, touching, 6))) == {"a", "b"}
+    touching["b"]["data_offsets"] = [2, 4]
+    touching["b"]["shape"] = [1]
+    assert "(ValueError: a and b overlap)" in says(touching, 6)
+
+
+def test_is_hf_gpt2_and_the_model_names(tmp_path):
+    assert all(train.is_hf_gpt2(n) for n in train.GPT2_NAMES + (str(tmp_path),))
+    (tmp_path / "ckpt.pt").write_text("")
+    assert not train.is_hf_gpt2(str(tmp_path / "ckpt.pt")) and not train.is_hf_gpt2("gpt3")
+    name, module = train.model_module("hybrid")
+    assert name == "hybrid" and module.__name__ == "hybrid_attn"
+    assert refused(train.model_module, "mlp") == ("unknown model 'mlp'; choose one of gpt, tsa, "
+                                                  "dtrnet, conddepth, hybrid, mod")
+    assert train.out_dir_of(common.Config(model="tsa", dataset="copy")) == os.path.join("out",
+                                                                                      "tsa-copy")
+    assert train.out_dir_of(common.Config(out_dir="mine")) == "mine"
+
+
+def test_check_fits_refuses_too_few_windows_and_too_little_memory_by_value(monkeypatch):
+    cfg = common.Config(block_size=50, n_layer=1, n_head=2, n_embd=16, vocab_size=65,
+                        batch_size=2)
+    cpu = torch.device("cpu")
+    train.check_fits(cfg, {"val_tokens": 100}, common, cpu)  # 2·T windows' worth: enough
+    assert refused(train.check_fits, cfg, {"val_tokens": 99}, common, cpu) == (
+        "block_size=50 is more than half of shakespeare's validation split (99 tokens): too few "
+        "distinct windows to evaluate on")
+    assert "(0 tokens)" in refused(train.check_fits, cfg, {}, common, cpu)
+    params = sum(t.numel() for t in common.Model(cfg).state_dict().values())
+    state, act = train.train_memory(cfg, params)
+    ram = {"SC_PAGE_SIZE": 2, "SC_PHYS_PAGES": state + act}  # half of it: exactly the need
+    monkeypatch.setattr(os, "sysconf", lambda k: ram[k])
+    train.check_fits(cfg, {"record_len": 11}, common, cpu)  # records: no windows to count
+    ram["SC_PHYS_PAGES"] -= 1
+    assert refused(train.check_fits, cfg, {"val_tokens": 100}, common, cpu) == (
+        f"this run would need ~{(state + act) / 2 ** 30:,.1f} GiB to train ({params / 1e6:,.1f}M "
+        f"parameters with their gradients and AdamW's moments: {state / 2 ** 30:,.1f} GiB; "
+        f"activations at batch_size=2, block_size=50: ~{act / 2 ** 30:,.1f} GiB), more than half "
+        f"of this machine's memory ({(state + act - 1) / 2 ** 30:,.0f} GiB)")
+    monkeypatch.delattr(os, "sysconf")  # memory unknown: not refused
+    train.check_fits(dataclasses.replace(cfg, n_embd=1 << 20), {"val_tokens": 100}, common, cpu)
+
+
+def test_check_fits_refuses_a_size_the_model_cannot_be_built_with(monkeypatch):
+    def no_build(cfg):
+        raise ValueError("a width of 0\nsecond line")
+    monkeypatch.setattr(common, "Model", no_build)
+    assert refused(train.check_fits, common.Config(), {"val_tokens": 10 ** 6}, common,
+                   torch.device("cpu")) == ("--model gpt cannot be built with these sizes: a "
+                                            "width of 0")
+
+
+def test_run_lock_one_writer_per_folder(tmp_path, monkeypatch):
+    import fcntl
+    import socket
+    out, me = tmp_path / "run", f"pid {os.getpid()} on {socket.gethostname()}"
+    umask = os.umask(0)  # the mode asked for, not what a umask leaves of another
+    try:
+        with train.run_lock(str(out)):
+            assert (out / train.LOCK).read_text() == me + "\n"
+            assert (out / train.LOCK).stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)
+    with train.run_lock(str(out)):
+        assert refused(lambda: train.run_lock(str(out)).__enter__()) == (
+            f"{out} is being trained by {me} ({out / train.LOCK}): one run folder has one writer; "
+            "wait for that run to end or stop it, or choose another --out_dir")
+    assert not out.exists()  # made by the lock, left empty: removed
+    out.mkdir()
+    with train.run_lock(str(out)):
+        pass
+    assert out.exists() and os.listdir(out) == []  # the user's (empty) folder stays
+    (out / "ckpt.pt").write_text("")
+    (out / train.LOCK).write_text("pid 1 on a machine that was killed long ago\n")  # a leftover
+    with train.run_lock(str(out)):
+        assert (out / train.LOCK).read_text() == me + "\n"
+    assert os.listdir(out) == ["ckpt.pt"]
+    fd = os.open(out / train.LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a holder that wrote nothing yet
+        assert "is being trained by another process (" in refused(
+            lambda: train.run_lock(str(out)).__enter__())
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(train, "fcntl", None)  # Windows: no lock
+    with train.run_lock(str(tmp_path / "win")):
+        assert not (tmp_path / "win").exists()

@@ -304,3 +304,108 @@ def test_refused_in_one_line_before_any_work(hf, data_dir, tmp_path, monkeypatch
     assert says.format(**fill) in err, err
     assert not os.path.exists(out)  # nothing written
     assert not os.path.exists(os.path.join(data_dir, "hf", "gpt2-medium", "config.json"))
+
+
+SMALL_HF = {"model_type": "gpt2", "vocab_size": 50, "n_positions": 16, "n_layer": 2, "n_head": 2,
+            "n_embd": 8}
+
+
+@pytest.mark.parametrize("fields,says", [
+    ({}, None), ({"activation_function": "gelu_new"}, None),
+    ({"activation_function": "gelu_pytorch_tanh"}, None), ({"activation_function": "gelu"}, None),
+    ({"n_inner": 32, "n_ctx": 16, "layer_norm_epsilon": 1e-5}, None),
+    ({"n_inner": None, "scale_attn_weights": True, "tie_word_embeddings": True}, None),
+    ({"architectures": ["GPT2Model"], "add_cross_attention": False}, None),
+    ({"architectures": None, "scale_attn_by_inverse_layer_idx": False}, None),
+    ({"architectures": ["GPT2LMHeadModel", "GPT2Model"]}, None),
+    ({"activation_function": "relu"}, "activation_function 'relu' is not GPT-2's"),
+    ({"model_type": "llama"}, "model_type 'llama' is not GPT-2's"),
+    ({"model_type": None}, "model_type None is not GPT-2's"),
+    ({"n_inner": 16}, "n_inner 16 is not GPT-2's"),
+    ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon 1e-06 is not GPT-2's"),
+    ({"layer_norm_epsilon": 0}, "layer_norm_epsilon 0 is not GPT-2's"),
+    ({"scale_attn_weights": False}, "another attention scale is not GPT-2's"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "another attention scale is not GPT-2's"),
+    ({"tie_word_embeddings": False}, "an untied head is not GPT-2's"),
+    ({"add_cross_attention": True}, "cross-attention is not GPT-2's"),
+    ({"n_ctx": 8}, "n_ctx 8 unlike n_positions 16 is not GPT-2's"),
+    ({"architectures": ["GPT2LMHeadModel", "X"]}, "architectures ['GPT2LMHeadModel', 'X'] is"),
+    ({"vocab_size": None}, "vocab_size is None, not int: not a GPT-2 config"),
+    ({"n_positions": 16.0}, "n_positions is 16.0, not int"),
+    ({"n_ctx": True}, "n_ctx is True, not int"),
+    ({"scale_attn_weights": 1}, "scale_attn_weights is 1, not bool"),
+    ({"activation_function": 1}, "activation_function is 1, not str"),
+    ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon is '1e-5', not int"),
+    ({"n_embd": -8}, "n_embd is -8, not a size: not a GPT-2 config"),
+    ({"vocab_size": 0, "n_layer": 0}, "vocab_size is 0, not a size"),
+])
+def test_gpt2_config_maps_or_refuses_each_field(tmp_path, fields, says):
+    """Each field that changes the function: GPT-2's value (or its absence) is mapped, any
+    other refused in one line naming the file and the field."""
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL_HF, **fields}))
+    if says is None:
+        gelu = "none" if fields.get("activation_function") == "gelu" else "tanh"
+        assert train.gpt2_config(str(tmp_path)) == dict(vocab_size=50, block_size=16, n_layer=2,
+                                                        n_head=2, n_embd=8, bias=True, gelu=gelu)
+        return
+    with pytest.raises(common.NanorouteError) as e:
+        train.gpt2_config(str(tmp_path))
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: {says}"), str(e.value)
+
+
+def test_a_gpt2_config_that_is_no_json_object_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    for text, says in (("[1]", "is not a GPT-2 config (a JSON list, not an object)"),
+                       ("{", "is not a GPT-2 config (JSONDecodeError: "),
+                       (None, "is not a GPT-2 config (FileNotFoundError: ")):
+        if text is not None:
+            path.write_text(text)
+        else:
+            path.unlink()
+        with pytest.raises(common.NanorouteError) as e:
+            train.gpt2_config(str(tmp_path))
+        assert str(e.value).startswith(f"{path} {says}"), str(e.value)
+
+
+def tiny_gpt2(folder, **extra):
+    """A 1-layer GPT-2's model.safetensors in HF's layout (Conv1D weights (in, out)), C=4."""
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    g = torch.Generator().manual_seed(0)
+    shapes = {"wte.weight": (10, 4), "wpe.weight": (8, 4), "ln_f.weight": (4,), "ln_f.bias": (4,)}
+    for k, shape in {"ln_1.weight": (4,), "ln_1.bias": (4,), "attn.c_attn.weight": (4, 12),
+                     "attn.c_attn.bias": (12,), "attn.c_proj.weight": (4, 4),
+                     "attn.c_proj.bias": (4,), "ln_2.weight": (4,), "ln_2.bias": (4,),
+                     "mlp.c_fc.weight": (4, 16), "mlp.c_fc.bias": (16,),
+                     "mlp.c_proj.weight": (16, 4), "mlp.c_proj.bias": (4,)}.items():
+        shapes[f"h.0.{k}"] = shape
+    sd = {k: torch.randn(*s, generator=g) for k, s in shapes.items()}
+    sd.update(extra)
+    os.makedirs(folder, exist_ok=True)
+    save_file(sd, os.path.join(folder, "model.safetensors"))
+    return sd
+
+
+def test_gpt2_state_dict_maps_each_name_and_refuses_the_rest(tmp_path):
+    hf_sd = tiny_gpt2(tmp_path / "a")
+    sd = train.gpt2_state_dict(str(tmp_path / "a"), 1, 8)
+    assert torch.equal(sd["blocks.0.mlp.c_proj.weight"], hf_sd["h.0.mlp.c_proj.weight"].t())
+    assert torch.equal(sd["blocks.0.ln_2.bias"], hf_sd["h.0.ln_2.bias"])
+    assert torch.equal(sd["wpe.weight"], hf_sd["wpe.weight"]) and sd["lm_head.weight"] is \
+        sd["wte.weight"]
+    assert train.gpt2_state_dict(str(tmp_path / "a"), 1, 5)["wpe.weight"].shape == (5, 4)
+    with pytest.raises(common.NanorouteError) as e:
+        train.gpt2_state_dict(str(tmp_path / "a"), 1, 9)
+    assert str(e.value) == "block_size=9 is longer than the checkpoint's 8 positions"
+    tiny_gpt2(tmp_path / "b", **{"lm_head.weight": hf_sd["wte.weight"].clone()})  # tied: kept
+    assert set(train.gpt2_state_dict(str(tmp_path / "b"), 1, 8)) == set(sd)
+    tiny_gpt2(tmp_path / "c", **{"lm_head.weight": hf_sd["wte.weight"] + 1})
+    with pytest.raises(common.NanorouteError, match="has an lm_head unlike wte: nanoroute's head "
+                       "is tied"):
+        train.gpt2_state_dict(str(tmp_path / "c"), 1, 8)
+    tiny_gpt2(tmp_path / "d", **{k: torch.zeros(1) for k in (
+        "h.0.attn.rotary", "h.1.ln_1.weight", "h.1.ln_2.weight", "zz")})  # the first 3 named
+    with pytest.raises(common.NanorouteError) as e:
+        train.gpt2_state_dict(str(tmp_path / "d"), 1, 8)
+    assert str(e.value) == (f"{tmp_path / 'd' / 'model.safetensors'} does not hold a 1-layer "
+                            "GPT-2: blocks.0.attn.rotary, blocks.1.ln_1.weight, "
+                            "blocks.1.ln_2.weight")
