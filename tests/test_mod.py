@@ -388,8 +388,9 @@ def test_step_past_block_size_is_refused():
 
 
 def test_sparse_requires_eval():
-    with pytest.raises(common.NanorouteError):
+    with pytest.raises(common.NanorouteError) as e:
         make().train()(torch.zeros(1, 4, dtype=torch.long), sparse=True)
+    assert str(e.value) == "sparse=True is an inference path: call model.eval() first"
 
 
 def test_a_zero_logit_is_routed_around_in_every_path():
