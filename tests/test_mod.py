@@ -413,7 +413,7 @@ def test_a_zero_logit_is_routed_around_in_every_path():
 
 def test_sparse_packs_to_the_most_any_row_routes_and_skips_an_empty_block(monkeypatch):
     """sparse=True runs f on (B, R) tokens, R the most tokens any row routes (not more), and not at
-    all where no row routes a token."""
+    all where no row routes a token; eval without it (the reference) runs f on all T."""
     m = make().eval()
     table = torch.zeros(3, 64, dtype=torch.bool)
     table[0, [2, 5, 9]], table[1, [1, 4, 6, 7, 8]] = True, True  # rows route 3, 5 and 0 tokens
@@ -424,6 +424,7 @@ def test_sparse_packs_to_the_most_any_row_routes_and_skips_an_empty_block(monkey
                              shapes.append(x.shape) or f(x, mask))
     x = torch.randint(0, 50, (3, 12))
     ref = m(x)[0]
+    assert shapes == [(3, 12, 32)] * 2  # eval's reference: every token, dense under a mask
     shapes.clear()
     assert torch.allclose(m(x, sparse=True)[0], ref, atol=1e-10, rtol=0)
     assert shapes == [(3, 5, 32)] * 2
