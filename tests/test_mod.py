@@ -83,9 +83,11 @@ def mixed_table(B, T, seed=1):
 
 @pytest.mark.parametrize("C, T, k", [(0.125, 64, 8), (0.7, 10, 7), (0.3, 10, 3), (0.125, 256, 32),
                                      (0.125, 1, 1), (0.5, 7, 4), (1.0, 5, 5), (0.01, 10, 1),
-                                     (0.07, 100, 7), (0.14, 100, 14)])
+                                     (0.07, 100, 7), (0.14, 100, 14), (0.070000001, 100, 7),
+                                     (0.07000001, 100, 8)])
 def test_capacity_k_is_ceil_of_C_T(C, T, k):
     assert mod.capacity_k(C, T) == k  # 0.07 · 100 is 7.000000000000001 in floats: not 8
+    # C·T is rounded to 6 decimals first: 7.0000001 is 7, 7.000001 is above it
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -98,6 +100,23 @@ def test_config_refusals_are_one_line(kw, msg):
     with pytest.raises(common.NanorouteError) as e:
         mod.Config(**{**dict(n_layer=4, n_head=4, n_embd=32), **kw})
     assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_refusal_messages_and_the_edges_of_each_range():
+    base = dict(n_layer=4, n_head=4, n_embd=32)
+    for kw, want in ((dict(capacity=0.0), "capacity must be in (0, 1], got 0.0"),
+                     (dict(every=5), "every must be in 1..n_layer=4, got 5"),
+                     (dict(predictor="topk"), "predictor must be one of aux_loss, mlp, got 'topk'"),
+                     (dict(router_weight="tanh"),
+                      "router_weight must be one of sigmoid, raw, got 'tanh'"),
+                     (dict(aux_weight=-1.0), "aux_weight must be >= 0, got -1.0")):
+        with pytest.raises(common.NanorouteError) as e:
+            mod.Config(**base, **kw)
+        assert str(e.value) == want
+    # each range's closed ends are accepted: C = 1 (every token), every = n_layer, no BCE
+    cfg = mod.Config(**base, capacity=1.0, every=4, aux_weight=0.0, predictor="mlp",
+                     router_weight="raw")
+    assert cfg.pattern == "TTTR" and mod.Config(**base, every=1).pattern == "RRRR"
 
 
 def test_cli_refuses_bad_capacity_before_any_work(capsys, tmp_path):
@@ -119,11 +138,13 @@ def test_paper_constants_and_pattern():
 
 
 def test_router_parameters_and_dense_checkpoint_loads():
-    for predictor, bias in (("aux_loss", False), ("aux_loss", True), ("mlp", False)):
+    for predictor, bias in (("aux_loss", False), ("aux_loss", True), ("mlp", False), ("mlp", True)):
         m = make(predictor=predictor, bias=bias)
         extra = m.num_params() - common.Model(m.cfg).num_params()
         pred = (32 * 16 + 16 + (16 + 1) * bias) if predictor == "mlp" else 0  # d → max(d/4, 16) → 1
         assert extra == 2 * (32 + bias + pred)  # two routed blocks: w_θ (d) and the predictor
+    m = make(predictor="mlp", n_embd=130, n_head=2)  # d/4 = 32.5 > 16: the hidden width is 32
+    assert m.num_params() - common.Model(m.cfg).num_params() == 2 * (130 + 130 * 32 + 32)
     m = make(predictor="mlp")
     missing, unexpected = m.load_state_dict(common.Model(m.cfg).state_dict(), strict=False)
     assert not unexpected and missing
@@ -138,7 +159,7 @@ def test_top_k_takes_exactly_k_and_ties_go_to_the_lower_position():
     r = torch.randint(0, 3, (6, 33), generator=g).double()  # many ties at the k-th weight
     for k in (1, 5, 16, 33):
         idx, member = mod.top_k(r, k)
-        assert idx.shape == (6, k) and (member.sum(1) == k).all()
+        assert idx.shape == (6, k) and member.dtype == torch.bool and (member.sum(1) == k).all()
         assert (idx.diff(dim=1) > 0).all()  # ascending positions
         for b in range(6):  # by hand: largest weight first, then the lower position
             want = sorted(range(33), key=lambda i: (-r[b, i].item(), i))[:k]
@@ -367,8 +388,59 @@ def test_step_past_block_size_is_refused():
 
 
 def test_sparse_requires_eval():
-    with pytest.raises(common.NanorouteError):
+    with pytest.raises(common.NanorouteError) as e:
         make().train()(torch.zeros(1, 4, dtype=torch.long), sparse=True)
+    assert str(e.value) == "sparse=True is an inference path: call model.eval() first"
+
+
+def test_a_zero_logit_is_routed_around_in_every_path():
+    """σ(0) = 0.5 is not > 0.5 (eqs. 4-5): with w_θ = 0 every z is exactly 0, and no token runs a
+    routed block in eval, sparse or cached decoding; the top-k at that full tie (the first k) is
+    what pred_acc compares the decisions with."""
+    m = sharpen(make()).eval()
+    for b in r_blocks(m):
+        b.router.weight.data.zero_()
+    x = torch.randint(0, 50, (2, 40))
+    for sparse in (False, True):
+        _, _, st = m(x, x, sparse=sparse)
+        assert st["skipped"].item() == 1.0 and st["pred_acc"].item() == 1 - 10 / 40
+    steps, full = decoded_vs_full(m, x, 6)
+    assert torch.allclose(steps, full, atol=1e-10, rtol=0)
+    _, (caches, _) = m.prefill(x[:, :6])
+    m.step(x[:, 6:7], (caches, torch.tensor(6)))
+    assert all(not caches[i].n.any() for i in m.routed)
+
+
+def test_sparse_packs_to_the_most_any_row_routes_and_skips_an_empty_block(monkeypatch):
+    """sparse=True runs f on (B, R) tokens, R the most tokens any row routes (not more), and not at
+    all where no row routes a token; eval without it (the reference) runs f on all T."""
+    m = make().eval()
+    table = torch.zeros(3, 64, dtype=torch.bool)
+    table[0, [2, 5, 9]], table[1, [1, 4, 6, 7, 8]] = True, True  # rows route 3, 5 and 0 tokens
+    fix_routers(m, table)
+    shapes = []
+    for b in r_blocks(m):
+        monkeypatch.setattr(b, "f", lambda x, mask=None, f=b.f:
+                             shapes.append(x.shape) or f(x, mask))
+    x = torch.randint(0, 50, (3, 12))
+    ref = m(x)[0]
+    assert shapes == [(3, 12, 32)] * 2  # eval's reference: every token, dense under a mask
+    shapes.clear()
+    assert torch.allclose(m(x, sparse=True)[0], ref, atol=1e-10, rtol=0)
+    assert shapes == [(3, 5, 32)] * 2
+    table[:] = False
+    shapes.clear()
+    m(x, sparse=True)
+    assert shapes == []
+
+
+def test_dropout_is_off_outside_training():
+    """cfg.dropout is a training regulariser: eval and sparse give the dropout-free function."""
+    x = torch.randint(0, 50, (2, 40))
+    ref = sharpen(make()).eval()(x)[0]
+    m = sharpen(make(dropout=0.5)).eval()
+    for sparse in (False, True):
+        assert torch.allclose(m(x, sparse=sparse)[0], ref, atol=1e-10, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -451,6 +523,7 @@ def test_stats_contract_and_flops_by_hand():
         routed = sum(p * (block + 4 * d * (p * T + 1) / 2) + 2 * d for p in (50 / 160, 40 / 160))
         want = 1 - (2 * dense + routed + head) / (4 * dense + head)
         assert st["flops_saved_hard"].item() == pytest.approx(want, rel=1e-6)
+        assert st["flops_ratio"].item() == pytest.approx(1 - want, rel=1e-6)
     # the accuracy of the causal decisions against the true top-k of the router's weights
     acc = []
     routes = m.trunk(m.embed(x), "hard")[1]
@@ -488,6 +561,24 @@ def test_flops_accounting():
     assert r[0] < r[1] < mod.flops_per_token(cfg, 1000, 1.0)
 
 
+def test_flops_of_the_router_and_predictor_by_value():
+    assert mod.flops_router(32) == 64  # r = w·x: d multiply-adds
+    # d → max(d // 4, 16) → 1: the floor of d/4 above 16, 16 below it
+    for d, h in ((32, 16), (64, 16), (128, 32), (130, 32)):
+        assert mod.flops_predictor(d) == 2 * (d * h + h)
+
+
+def test_train_flops_count_the_k_selected_tokens():
+    """Training runs a routed block on k = ⌈C·T⌉ tokens: ρ = k/T, not C (T = 36: k = 5, not 4.5)."""
+    m = make(capacity=0.125)
+    d, T = 32, 36
+    block = 2 * 3 * d * d + 2 * d * d + 2 * 2 * d * 4 * d
+    dense = block + 4 * d * (T + 1) / 2
+    routed = 5 / T * (block + 4 * d * (5 + 1) / 2) + 2 * d
+    assert m.train_flops_per_token(T) == pytest.approx(2 * dense + 2 * routed + 2 * d * 50,
+                                                       rel=1e-12)
+
+
 def test_routing_map():
     m = make().train()
     table = mixed_table(1, 30, seed=3)[[0]] | (torch.arange(30) % 3 == 0)[None]
@@ -515,9 +606,21 @@ def test_cli_smoke(data_dir, tmp_path):
     assert os.path.exists(os.path.join(out, "routing.html"))
 
 
+def test_main_prints_its_usage_and_refuses_any_argument(capsys):
+    for argv in ([], ["-h"], ["--help"]):
+        mod.main(argv)
+        assert capsys.readouterr().out == (
+            "usage: python mod.py [-h]\nDefines the Mixture-of-Depths model (no commands): train "
+            "it with `python train.py --model mod`, time it with `python bench.py mod`.\n")
+    for argv in (["foo"], ["--help", "x"], ["-H"]):
+        with pytest.raises(common.NanorouteError) as e:
+            mod.main(argv)
+        assert str(e.value) == f"mod.py takes no arguments, got {' '.join(argv)!r}"
+
+
 def test_module_cli_help_and_refusal(monkeypatch, capsys):
     import runpy
-    for args, rc in ((["--help"], 0), (["-h"], 0), (["foo"], 2), (["--help", "x"], 2)):
+    for args, rc in (([], 0), (["--help"], 0), (["-h"], 0), (["foo"], 2), (["--help", "x"], 2)):
         monkeypatch.setattr("sys.argv", ["mod.py", *args])
         try:
             runpy.run_path(mod.__file__, run_name="__main__")
@@ -527,6 +630,8 @@ def test_module_cli_help_and_refusal(monkeypatch, capsys):
         out, err = capsys.readouterr()
         assert code == rc
         if rc == 0:
-            assert "usage:" in out and "train.py --model mod" in out and not err
+            assert out == ("usage: python mod.py [-h]\nDefines the Mixture-of-Depths model (no "
+                           "commands): train it with `python train.py --model mod`, time it with "
+                           "`python bench.py mod`.\n") and not err
         else:
-            assert not out and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+            assert not out and err == f"error: mod.py takes no arguments, got {' '.join(args)!r}\n"
