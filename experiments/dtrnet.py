@@ -38,7 +38,7 @@ def sparse_val(run):
 
 def table(a):
     hint = "train them with `python experiments/dtrnet.py train`"
-    (root, names), rows, by = finished(a.out, hint, {"dtrnet", "gpt"}), [], {}
+    (root, names), rows, by = finished(a.out, hint, {"dtrnet", "gpt", "mod"}), [], {}
     for d in names:
         name, _, seed = d.rpartition("_s")
         if name not in RUNS or not seed.isdigit():
