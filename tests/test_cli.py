@@ -567,7 +567,7 @@ def test_a_study_handed_runs_of_another_kind_says_so(runs, tmp_path, monkeypatch
     study = tmp_path / "study"
     shutil.copytree(runs / "tsa", study / "bilayer_s1")
     (study / "bilayer_s1" / "done").write_text("")
-    assert (f"{study / 'bilayer_s1'} is a --model tsa run; this study's runs are dtrnet, gpt"
+    assert (f"{study / 'bilayer_s1'} is a --model tsa run; this study's runs are dtrnet, gpt, mod"
             in table("dtrnet.py", study))
     assert "is a --model tsa run; this study's runs are hybrid: pass the --out" in table(
         "hybrid.py", study)
