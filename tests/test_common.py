@@ -187,7 +187,7 @@ def test_copy_and_sort_data_are_pinned(tmp_path):
                                0, 0, 2, 3, 5, 7, 13, 16, 19, 22, 34]}
     for (task, split), record in first.items():
         meta = common.prepare(task, str(tmp_path))
-        assert (meta["train_tokens"], meta["val_tokens"], meta["unit"]) == (230_000, 23_000, "token")
+        assert (meta["train_tokens"], meta["val_tokens"]) == (230_000, 23_000)
         assert common.load_split(task, split, str(tmp_path))[:23].tolist() == record
 
 def test_shakespeare_bpe(data_dir):
@@ -313,7 +313,8 @@ def test_config_accepts_each_lower_bound_and_refuses_below_it(name, low, below):
     refused, naming the field and the bound, just below it."""
     kw = dict(n_head=1) if name == "n_embd" else {}
     assert getattr(common.Config(**kw, **{name: low}), name) == low
-    with pytest.raises(common.NanorouteError, match=rf"^{name} must be >= {int(low)}, got {below}$"):
+    says = rf"^{name} must be >= {int(low)}, got {below}$"
+    with pytest.raises(common.NanorouteError, match=says):
         common.Config(**kw, **{name: below})
 
 
