@@ -1,5 +1,6 @@
 """Foundation: data preparation (against a server on 127.0.0.1), batches, the dense GPT, accounting,
 checkpoints and exact resume, the CLI's errors, and a 2-process DDP run."""
+import contextlib
 import dataclasses
 import hashlib
 import http.server
@@ -281,6 +282,25 @@ def test_gpt_init_and_tied_embeddings():
     logits, loss, stats = model(x, x.roll(-1, 1))
     assert abs(loss.item() - np.log(50)) < 0.1  # near-uniform predictions at init and set(stats) == {"lm_loss"}
 
+
+
+def test_init_scales_by_value():
+    """Every matrix N(0, 0.02²) but the two projections into the residual stream, N(0, (0.02 /
+    √(2L))²) (GPT-2/3); biases 0, LayerNorm gains 1: each std within 3% (≥ 16k samples: its own
+    error is < 1%), where L = 3 makes 0.02/√(2L) = 0.00816 and 0.02/√(3L) = 0.00667."""
+    torch.manual_seed(0)
+    model = common.Model(tiny(n_layer=3, n_embd=64, n_head=2, vocab_size=256, block_size=256,
+                              bias=True))
+    residual = 0.02 / math.sqrt(2 * 3)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            want = residual if name.endswith("c_proj.weight") else 0.02
+            assert p.std().item() == pytest.approx(want, rel=0.03), name
+            assert abs(p.mean().item()) < 0.1 * want, name
+        else:
+            want = 0.0 if name.endswith("bias") else 1.0
+            assert torch.equal(p, torch.full_like(p, want)), name
+    assert sum(n.endswith("c_proj.weight") for n, _ in model.named_parameters()) == 2 * 3
 
 def test_generate_greedy_is_deterministic_and_respects_block_size():
     model = common.Model(tiny(block_size=8)).eval()
@@ -1170,6 +1190,68 @@ def test_window_start_keeps_between_half_and_full_block():
         restarts = [n for n in range(bs + 1, 5 * bs) if ws[n - 1] != ws[n - 2]]
         assert all(n - common.window_start(n, bs) == h for n in restarts)  # a restart keeps exactly h tokens
 
+
+
+def test_devices_dtypes_and_autocast(monkeypatch):
+    """auto picks CUDA, else MPS, else the CPU; a device that is not here is one line naming it;
+    training's dtype is bf16 on CUDA (fp16 where bf16 is not supported), fp32 elsewhere, and
+    autocast runs that dtype (fp32: no autocast at all)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert common.pick_device("auto") == cpu and common.pick_device("cpu") == cpu
+    with pytest.raises(common.NanorouteError, match=r"^device 'cuda:1' is not available here \("):
+        common.pick_device("cuda:1")
+    with pytest.raises(common.NanorouteError, match="device must be auto, cpu, cuda, cuda:N or mps"):
+        common.pick_device("meta")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    with pytest.raises(common.NanorouteError, match="^device 'mps' is not available"):
+        common.pick_device("auto")  # what auto picks is tried like a named device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(common.NanorouteError, match="^device 'cuda' is not available"):
+        common.pick_device("auto")
+    for bf16, want in ((True, "bf16"), (False, "fp16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda bf16=bf16: bf16)
+        assert common.default_dtype(cuda) == want
+    assert common.default_dtype(cpu) == common.default_dtype(torch.device("mps")) == "fp32"
+    assert isinstance(common.autocast(cpu), contextlib.nullcontext)
+    assert isinstance(common.autocast(cpu, "fp32"), contextlib.nullcontext)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        ctx = common.autocast(cpu, name)
+        assert isinstance(ctx, torch.autocast) and (ctx.device, ctx.fast_dtype) == ("cpu", dtype)
+    with pytest.raises(common.NanorouteError, match="^dtype must be one of fp32, bf16, fp16, "
+                       "got 'fp8'$"):
+        common.autocast(cpu, "fp8")
+
+
+def test_decode_each_dataset_and_the_past_mask():
+    meta = {"dataset": "shakespeare", "itos": ["\n", "a", "b"]}
+    assert common.decode(meta, [1, 0, 2]) == "a\nb"
+    assert common.decode({"dataset": "enwik8"}, [104, 105, 255]) == "hi\ufffd"  # bytes, replaced
+    assert common.decode({"dataset": "sort"}, [32, 3, 33, 0, 34]) == "[BOS] 3 [SEP] 0 [EOS]"
+    ids = common.bpe().encode_ordinary(" the cat")
+    for name in ("shakespeare_bpe", "fineweb_edu"):
+        assert common.decode({"dataset": name}, ids) == " the cat"
+    for dtype in (torch.float32, torch.bfloat16):
+        mask = common.past_mask(torch.tensor(2), 5, dtype)
+        assert mask.dtype == dtype and mask.shape == (1, 5)
+        assert mask.tolist() == [[0.0, 0.0, 0.0, -math.inf, -math.inf]]
+    assert common.cond(torch.tensor(True), lambda x: x + 1, lambda x: x - 1, (1,)) == 2
+    assert common.cond(torch.tensor(False), lambda x: x + 1, lambda x: x - 1, (1,)) == 0
+
+
+def test_cli_errors_are_one_line_exit_2(capsys):
+    def bad(argv):
+        raise common.NanorouteError("no such thing")
+    with pytest.raises(SystemExit) as e:
+        common.cli(bad)
+    assert e.value.code == 2 and capsys.readouterr().err == "error: no such thing\n"
+    seen = []
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(sys, "argv", ["x.py", "--a", "b"])
+    common.cli(seen.append)
+    monkey.undo()
+    assert seen == [["--a", "b"]]
 
 def sharp(model):
     """Weights of std 0.2 instead of GPT's 0.02: logits that depend strongly on every key, so a wrong cache
