@@ -230,7 +230,9 @@ def test_a_shard_is_read_by_its_header_alone_and_named_when_unreadable(tmp_path,
     counts, fromfile = [], np.fromfile
     monkeypatch.setattr(np, "fromfile", lambda *a, **kw: counts.append(kw.get("count", -1))
                         or fromfile(*a, **kw))
-    assert len(common.read_shard(path)) == 3000 and counts == [256]
+    shard = common.read_shard(path)
+    assert len(shard) == 3000 and counts == [256]
+    assert not shard.flags.writeable  # mapped read-only: a stray write cannot damage the data
     with open(path, "wb") as f:
         f.write(shard_bytes(np.arange(10), version=2))
     with pytest.raises(common.NanorouteError) as e:
@@ -300,6 +302,11 @@ def test_meta_decodes_gpt2_tokens(hub, tmp_path):
     ids = common.bpe().encode_ordinary("Photosynthesis converts light into energy.")
     assert common.decode(meta, ids) == "Photosynthesis converts light into energy."
     assert meta["encoding"] == "r50k_base"  # what --init_from gpt2 requires of a dataset
+
+
+def test_fineweb_files_are_the_val_shard_and_the_first_training_ones():
+    assert common.fineweb_files() == {"train": [TRAIN1], "val": [VAL]}
+    assert common.fineweb_files(3)["train"] == [TRAIN1, TRAIN2, "finewebedu_train_000003.bin"]
 
 
 def test_shards_must_be_a_positive_integer(tmp_path):
