@@ -892,7 +892,11 @@ def test_a_checkpoint_that_is_not_weights_only_or_not_ours_is_refused(tmp_path):
         common.load_checkpoint(path)
     torch.save({"model": {"w": torch.ones(2)}, "config": {"n_embd": 2}}, path)
     whole = open(path, "rb").read()
-    assert common.load_checkpoint(path)["config"] == {"n_embd": 2}
+    seen, load = [], torch.load
+    with pytest.MonkeyPatch.context() as m:  # a GPU's checkpoint must load on a CPU-only machine
+        m.setattr(torch, "load", lambda *a, **kw: seen.append(kw) or load(*a, **kw))
+        assert common.load_checkpoint(path)["config"] == {"n_embd": 2}
+    assert seen == [{"map_location": "cpu", "weights_only": True}]
     open(path, "wb").write(whole[:len(whole) // 2])  # a truncated zip: torch says why, long
     with pytest.raises(RuntimeError) as torch_says:
         torch.load(path, weights_only=True)
