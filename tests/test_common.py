@@ -517,6 +517,9 @@ def test_eval_batches_are_fixed_and_differ_by_split_and_index():
     data, meta = np.arange(5000, dtype=np.uint16), {"dataset": "shakespeare"}
     batch = lambda seed, split, k: common.get_batch(data, meta, 4, 16, common.eval_rng(seed, split, k))[0]
     assert torch.equal(batch(3, "val", 1), batch(3, "val", 1))
+    for split, i in (("train", 1), ("val", 2), ("test", 3)):  # the batches results/ measured on
+        assert common.eval_rng(3, split, 4).integers(1 << 30) \
+            == np.random.default_rng([3, i, 4]).integers(1 << 30)
     xs = [batch(3, split, k) for split in ("train", "val", "test") for k in range(3)] + [batch(4, "val", 0)]
     assert all(not torch.equal(a, b) for i, a in enumerate(xs) for b in xs[i + 1:])
 
