@@ -877,8 +877,9 @@ def test_empty_checkpoint_is_a_one_line_error(tmp_path):
     """A zero-byte checkpoint (what a crash leaves behind a writer that is not atomic, or a full disk) is
     reported like any other corrupt checkpoint."""
     (tmp_path / "ckpt.pt").write_bytes(b"")
-    with pytest.raises(common.NanorouteError, match="corrupt"):
+    with pytest.raises(common.NanorouteError) as e:
         common.load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert str(e.value).endswith("ckpt.pt is corrupt or not a nanoroute checkpoint (EOFError)")
 
 
 
@@ -890,9 +891,11 @@ def test_a_checkpoint_that_is_not_weights_only_or_not_ours_is_refused(tmp_path):
     import fractions
     path = str(tmp_path / "ckpt.pt")
     torch.save({"model": {}, "config": {}, "obj": fractions.Fraction(1, 3)}, path)
-    with pytest.raises(common.NanorouteError, match=f"^checkpoint {re.escape(path)} is not "
-                       "weights-only: it holds pickled objects, whose loading can run any code"):
+    with pytest.raises(common.NanorouteError) as e:
         common.load_checkpoint(path)
+    assert str(e.value) == (f"checkpoint {path} is not weights-only: it holds pickled objects, "
+                            "whose loading can run any code, so it is refused (nanoroute's "
+                            "checkpoints hold tensors and plain values)")
     torch.save({"model": {"w": torch.ones(2)}, "config": {"n_embd": 2}}, path)
     whole = open(path, "rb").read()
     seen, load = [], torch.load

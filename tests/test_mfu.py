@@ -110,6 +110,7 @@ def test_throughput_and_mfu_by_value():
     ("Tesla V100-SXM2-16GB", "fp16", 125e12),
     ("Tesla V100-SXM2-16GB", "bf16", None),  # no bf16 tensor cores
     ("Tesla V100-PCIE-32GB", "fp16", 112e12),
+    ("Tesla V100-PCIe-16GB", "fp16", 112e12),  # names differ in case: matched ignoring it
     ("Tesla T4", "fp16", 65e12),
     ("Tesla T4", "fp32", 8.1e12),
     ("NVIDIA GeForce GTX 1080", "fp32", None),
