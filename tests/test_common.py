@@ -734,6 +734,18 @@ def test_a_split_that_is_not_what_meta_json_says_is_refused(tmp_path, tokens, wa
     assert good == path
 
 
+def test_a_missing_or_unreadable_meta_json_is_one_line_saying_what_to_do(tmp_path):
+    path = tmp_path / "copy" / "meta.json"
+    for write, why in ((None, "FileNotFoundError"), ("{not json", "JSONDecodeError")):
+        if write is not None:
+            os.makedirs(path.parent, exist_ok=True)
+            path.write_text(write)
+        with pytest.raises(common.NanorouteError) as e:
+            common.load_meta("copy", str(tmp_path))
+        assert str(e.value) == (f"{path} is missing or corrupt ({why}): delete it if it is there "
+                                "and run train.py --dataset copy to prepare the data again")
+
+
 def test_a_missing_split_or_split_size_is_refused(tmp_path):
     path = split_on_disk(tmp_path, [1, 2], 2)
     test = path.replace("train.bin", "test.bin")
