@@ -727,10 +727,15 @@ def test_a_split_that_is_not_what_meta_json_says_is_refused(tmp_path, tokens, wa
     """load_split checks a split's byte count against meta.json's token count, that it holds
     an input and a target, and that no token id is beyond the vocabulary, naming both files."""
     path = split_on_disk(tmp_path, tokens, want)
+    meta = re.escape(str(tmp_path / "shakespeare" / "meta.json"))
     with pytest.raises(common.NanorouteError, match=f"^{re.escape(path)} {says}"):
         common.load_split("shakespeare", "train", str(tmp_path))
+    with pytest.raises(common.NanorouteError, match=f"{meta}.*: the preparation is damaged; "
+                       f"delete {meta} and run again to re-prepare$"):
+        common.load_split("shakespeare", "train", str(tmp_path))
     good = split_on_disk(tmp_path, [0, 2], 2)  # the smallest split there is, ids up to V - 1
-    assert common.load_split("shakespeare", "train", str(tmp_path)).tolist() == [0, 2]
+    split = common.load_split("shakespeare", "train", str(tmp_path))
+    assert split.tolist() == [0, 2] and not split.flags.writeable  # mapped read-only
     assert good == path
 
 
@@ -744,6 +749,14 @@ def test_a_missing_or_unreadable_meta_json_is_one_line_saying_what_to_do(tmp_pat
             common.load_meta("copy", str(tmp_path))
         assert str(e.value) == (f"{path} is missing or corrupt ({why}): delete it if it is there "
                                 "and run train.py --dataset copy to prepare the data again")
+    path.write_text(json.dumps({"dataset": "copy", "vocab_size": 35}))
+    with pytest.raises(common.NanorouteError) as e:
+        common.load_meta("copy", str(tmp_path))
+    assert str(e.value) == (f"{path} has no train_tokens: it is not what prepare() writes for "
+                            "copy; delete it and run train.py --dataset copy to prepare the data "
+                            "again")
+    assert common.meta_problem([], "copy") == "is a JSON list, not an object"
+    assert common.meta_problem({"dataset": "sort"}, "copy") == "names the dataset 'sort'"
 
 
 def test_a_missing_split_or_split_size_is_refused(tmp_path):
