@@ -897,6 +897,7 @@ def test_atomic_write_replaces_whole_or_keeps_the_old_file_and_names_it(tmp_path
     monkeypatch.chdir(tmp_path)  # a bare file name: the current folder
     common.atomic_write("g.bin", lambda f: f.write(b"g"))
     assert open(tmp_path / "g.bin", "rb").read() == b"g"
+    assert sorted(os.listdir(tmp_path)) == ["a", "g.bin"]  # and no folder made for it
 
 def test_empty_checkpoint_is_a_one_line_error(tmp_path):
     """A zero-byte checkpoint (what a crash leaves behind a writer that is not atomic, or a full disk) is
@@ -1183,6 +1184,8 @@ def test_sampling_temperature_divides_the_logits(monkeypatch, temperature):
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.0, 3.0, 1.0]])
     probs = sampled_probs(monkeypatch, logits, temperature=temperature)
     assert torch.allclose(probs, torch.softmax(logits / temperature, -1), atol=1e-6)
+    if temperature == 1.0:  # the default
+        assert torch.allclose(sampled_probs(monkeypatch, logits), probs, atol=0)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
