@@ -1,5 +1,6 @@
 """Foundation: data preparation (against a server on 127.0.0.1), batches, the dense GPT, accounting,
 checkpoints and exact resume, the CLI's errors, and a 2-process DDP run."""
+import contextlib
 import dataclasses
 import hashlib
 import http.server
@@ -8,6 +9,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -125,6 +127,70 @@ def test_corrupt_enwik8_zip_is_a_clear_error(tmp_path):
         common.prepare("enwik8", str(tmp_path))
 
 
+
+def test_enwik8_zip_with_a_bad_crc_or_no_enwik8_member_is_corrupt(tmp_path):
+    """The zip's own CRCs are the integrity check (no sha256 for enwik8): a flipped byte, or a
+    zip without the enwik8 member, is refused naming the zip, before anything is written."""
+    zpath = tmp_path / "enwik8" / "enwik8.zip"
+    os.makedirs(zpath.parent)
+    for member, flip, says in (("enwik8", True, "CRC mismatch"), ("other", False, "no item")):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+            z.writestr(member, b"x" * 1000)
+        body = bytearray(buf.getvalue())
+        if flip:
+            body[body.index(b"x" * 1000) + 500] ^= 1
+        zpath.write_bytes(bytes(body))
+        with pytest.raises(common.NanorouteError, match=f"^{re.escape(str(zpath))} is corrupt "
+                           f"\\(.*{says}.*\\); delete it"):
+            common.prepare("enwik8", str(tmp_path))
+        assert os.listdir(zpath.parent) == ["enwik8.zip"]
+
+
+def test_prepare_writes_the_char_mapping_and_says_what_it_made(tmp_path, capsys):
+    """A character dataset by hand: itos sorted, the ids are itos' indices, 90/10, meta.json on
+    disk is the meta returned; a split too short for one window (an input and a target) is
+    refused before anything is written; a --data_dir that is a file is refused."""
+    d = tmp_path / "shakespeare"
+    os.makedirs(d)
+    (d / "input.txt").write_text("ba\nab" * 4, encoding="utf-8")  # 20 characters: val 2
+    meta = common.prepare("shakespeare", str(tmp_path))
+    assert meta == {"dataset": "shakespeare", "vocab_size": 3, "itos": ["\n", "a", "b"],
+                    "unit": "char", "characters": 20, "train_tokens": 18, "val_tokens": 2}
+    assert json.loads((d / "meta.json").read_text()) == meta
+    assert capsys.readouterr().out == ("prepared shakespeare: vocab_size 3, characters 20, "
+                                       "train_tokens 18, val_tokens 2\n")
+    assert np.fromfile(d / "train.bin", dtype=np.uint16).tolist() == [2, 1, 0, 1, 2] * 3 + [2, 1, 0]
+    assert sorted(os.listdir(d)) == ["input.txt", "meta.json", "train.bin", "val.bin"]
+    for text, says in (("ba\nab" * 2, "a val split of 1 token(s)"),
+                       ("", "a train, val split of 0 token(s)")):
+        shutil.rmtree(d)
+        os.makedirs(d)
+        (d / "input.txt").write_text(text, encoding="utf-8")
+        with pytest.raises(common.NanorouteError, match=f"^shakespeare gives {re.escape(says)}: "
+                           f"its input in {re.escape(str(d))} is empty or too short"):
+            common.prepare("shakespeare", str(tmp_path))
+        assert os.listdir(d) == ["input.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(common.NanorouteError, match="^--data_dir .*file is a file, not a dir"):
+        common.prepare("copy", str(tmp_path / "file"))
+    with pytest.raises(common.NanorouteError, match="^unknown dataset 'imdb'; choose one of "
+                       "shakespeare, shakespeare_bpe, enwik8, copy, sort, fineweb_edu$"):
+        common.prepare("imdb", str(tmp_path))
+
+
+def test_copy_and_sort_data_are_pinned(tmp_path):
+    """The synthetic tasks are the same data everywhere: 10,000 training and 1,000 validation
+    records from fixed seeds (copy 1234, sort 4321), pinned by their first records."""
+    first = {("copy", "train"): [32, 31, 31, 31, 12, 5, 29, 3, 8, 4, 10, 33,
+                                 31, 31, 31, 12, 5, 29, 3, 8, 4, 10, 34],
+             ("sort", "val"): [32, 0, 22, 16, 19, 7, 3, 13, 0, 5, 2, 33,
+                               0, 0, 2, 3, 5, 7, 13, 16, 19, 22, 34]}
+    for (task, split), record in first.items():
+        meta = common.prepare(task, str(tmp_path))
+        assert (meta["train_tokens"], meta["val_tokens"]) == (230_000, 23_000)
+        assert common.load_split(task, split, str(tmp_path))[:23].tolist() == record
+
 def test_shakespeare_bpe(data_dir):
     meta = common.prepare("shakespeare_bpe", data_dir)
     assert meta["vocab_size"] == 50257
@@ -217,6 +283,25 @@ def test_gpt_init_and_tied_embeddings():
     assert abs(loss.item() - np.log(50)) < 0.1  # near-uniform predictions at init and set(stats) == {"lm_loss"}
 
 
+
+def test_init_scales_by_value():
+    """Every matrix N(0, 0.02²) but the two projections into the residual stream, N(0, (0.02 /
+    √(2L))²) (GPT-2/3); biases 0, LayerNorm gains 1: each std within 3% (≥ 16k samples: its own
+    error is < 1%), where L = 3 makes 0.02/√(2L) = 0.00816 and 0.02/√(3L) = 0.00667."""
+    torch.manual_seed(0)
+    model = common.Model(tiny(n_layer=3, n_embd=64, n_head=2, vocab_size=256, block_size=256,
+                              bias=True))
+    residual = 0.02 / math.sqrt(2 * 3)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            want = residual if name.endswith("c_proj.weight") else 0.02
+            assert p.std().item() == pytest.approx(want, rel=0.03), name
+            assert abs(p.mean().item()) < 0.1 * want, name
+        else:
+            want = 0.0 if name.endswith("bias") else 1.0
+            assert torch.equal(p, torch.full_like(p, want)), name
+    assert sum(n.endswith("c_proj.weight") for n, _ in model.named_parameters()) == 2 * 3
+
 def test_generate_greedy_is_deterministic_and_respects_block_size():
     model = common.Model(tiny(block_size=8)).eval()
     out = model.generate(torch.zeros(2, 3, dtype=torch.long), 10, temperature=0)
@@ -231,6 +316,55 @@ def test_config_rejects_impossible_shapes_and_types():
     with pytest.raises(common.NanorouteError, match="exceeds block_size"):
         common.Model(tiny(block_size=8))(torch.zeros(1, 9, dtype=torch.long))
 
+
+
+# every field with a lower bound: (name, the lowest valid value, the highest refused one)
+BOUNDS = [(n, 1, 0) for n in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd",
+                              "batch_size", "eval_iters", "eval_interval", "log_interval",
+                              "shards", "grad_accum")] \
+    + [(n, 0, -1) for n in ("max_iters", "warmup_iters", "seed")] \
+    + [(n, 0.0, -1e-6) for n in ("weight_decay", "grad_clip", "min_lr", "peak_flops")] \
+    + [("eval_seed", -1, -2)]
+
+
+@pytest.mark.parametrize("name,low,below", BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_config_accepts_each_lower_bound_and_refuses_below_it(name, low, below):
+    """Each size, count and rate is valid from its bound on (the bound itself included) and
+    refused, naming the field and the bound, just below it."""
+    kw = dict(n_head=1) if name == "n_embd" else {}
+    assert getattr(common.Config(**kw, **{name: low}), name) == low
+    says = rf"^{name} must be >= {int(low)}, got {below}$"
+    with pytest.raises(common.NanorouteError, match=says):
+        common.Config(**kw, **{name: below})
+
+
+def test_config_rules_at_their_edges():
+    """The other rules, each at the value where it starts and stops holding."""
+    C, err = common.Config, common.NanorouteError
+    cfg = C(learning_rate=1, min_lr=1)  # an int for a float field is taken as that float
+    assert type(cfg.learning_rate) is float and cfg.min_lr == cfg.learning_rate == 1.0
+    for name, value, says in [("bias", 1, "bias must be bool, got 1"),
+                              ("device", 0, "device must be str, got 0"),
+                              ("dropout", True, "dropout must be float, got True"),
+                              ("learning_rate", math.inf, "learning_rate must be a finite number"),
+                              ("min_lr", math.nan, "min_lr must be a finite number"),
+                              ("gelu", "relu", "gelu must be 'none' .* got 'relu'"),
+                              ("device", "cuda:x", "device must be auto, cpu, cuda, cuda:N or mps"),
+                              ("learning_rate", 0.0, "learning_rate must be > 0, got 0.0"),
+                              ("seed", 2 ** 63, "seed must be < 2\\*\\*63"),
+                              ("min_lr", 2e-3 + 1e-9, "min_lr=0.002000001 is above learning_rate")]:
+        with pytest.raises(err, match=says):
+            C(**{name: value})
+    assert C(seed=2 ** 63 - 1, gelu="tanh", device="cuda:1", min_lr=2e-3).seed == 2 ** 63 - 1
+    assert C(learning_rate=1e-300, min_lr=0.0).learning_rate == 1e-300
+    for name in ("beta1", "beta2", "dropout"):
+        assert getattr(C(**{name: 0.0}), name) == 0.0 and getattr(C(**{name: 0.99}), name) == 0.99
+        for bad in (1.0, -1e-9):
+            with pytest.raises(err, match=rf"^{name} must be in \[0, 1\), got {bad}$"):
+                C(**{name: bad})
+    with pytest.raises(err, match="^n_embd=130 is not divisible by n_head=4$"):
+        C(n_embd=130, n_head=4)
+    assert C(n_embd=132, n_head=4).n_embd == 132
 
 # ---------------------------------------------------------------------------------------------------
 # accounting
@@ -383,6 +517,9 @@ def test_eval_batches_are_fixed_and_differ_by_split_and_index():
     data, meta = np.arange(5000, dtype=np.uint16), {"dataset": "shakespeare"}
     batch = lambda seed, split, k: common.get_batch(data, meta, 4, 16, common.eval_rng(seed, split, k))[0]
     assert torch.equal(batch(3, "val", 1), batch(3, "val", 1))
+    for split, i in (("train", 1), ("val", 2), ("test", 3)):  # the batches results/ measured on
+        assert common.eval_rng(3, split, 4).integers(1 << 30) \
+            == np.random.default_rng([3, i, 4]).integers(1 << 30)
     xs = [batch(3, split, k) for split in ("train", "val", "test") for k in range(3)] + [batch(4, "val", 0)]
     assert all(not torch.equal(a, b) for i, a in enumerate(xs) for b in xs[i + 1:])
 
@@ -524,6 +661,119 @@ def test_a_datasets_meta_json_is_checked_before_use(data_dir, tmp_path, edit, sa
         common.prepare("shakespeare", str(tmp_path / "data"))
 
 
+
+GOOD_META = {
+    "shakespeare": dict(vocab_size=3, itos=["\n", "a", "b"]),
+    "shakespeare_bpe": dict(vocab_size=50257, encoding="r50k_base"),
+    "fineweb_edu": dict(vocab_size=50257, encoding="r50k_base", shards={"train": [], "val": []}),
+    "enwik8": dict(vocab_size=256, test_tokens=0),
+    "copy": dict(vocab_size=35, record_len=23),
+    "sort": dict(vocab_size=35, record_len=23)}
+
+
+@pytest.mark.parametrize("name,edit,says", [
+    ("shakespeare", dict(vocab_size=0), "has vocab_size 0"),
+    ("shakespeare", dict(vocab_size=True), "has vocab_size True"),
+    ("enwik8", dict(vocab_size=1 << 16), "lacks vocab_size 256 (bytes)"),  # 2**16 ids fit uint16
+    ("enwik8", dict(vocab_size=(1 << 16) + 1), "has vocab_size 65537"),
+    ("enwik8", dict(vocab_size=1), "lacks vocab_size 256 (bytes)"),
+    ("enwik8", dict(test_tokens=2.0), "has test_tokens 2.0"),
+    ("enwik8", dict(train_tokens=None), "has train_tokens None"),
+    ("enwik8", dict(val_tokens=-1, train_tokens=-1), "has train_tokens -1"),
+    ("enwik8", dict(train_tokens=False), "has train_tokens False"),
+    ("shakespeare", dict(itos=["\n", "a"]), "lacks an itos of 3 characters"),
+    ("shakespeare", dict(itos=["\n", "a", "bc"]), "lacks an itos of 3 characters"),
+    ("shakespeare", dict(itos=["\n", "a", 98]), "lacks an itos of 3 characters"),
+    ("shakespeare", dict(itos="\nab"), "lacks an itos of 3 characters"),
+    ("shakespeare_bpe", dict(encoding="gpt2"), "lacks encoding r50k_base and vocab_size 50257"),
+    ("shakespeare_bpe", dict(vocab_size=50256), "lacks encoding r50k_base and vocab_size 50257"),
+    ("fineweb_edu", dict(shards=["a.bin"]), "lacks encoding r50k_base, vocab_size 50257 and its"),
+    ("fineweb_edu", dict(encoding="cl100k_base"), "lacks encoding r50k_base, vocab_size 50257"),
+    ("fineweb_edu", dict(vocab_size=50256), "lacks encoding r50k_base, vocab_size 50257"),
+    ("copy", dict(record_len=22), "lacks record_len 23 and vocab_size 35"),
+    ("sort", dict(vocab_size=34), "lacks record_len 23 and vocab_size 35"),
+])
+def test_meta_problem_names_each_broken_rule(name, edit, says):
+    """meta_problem's rules one at a time, each against a meta.json that passes every other one
+    (every dataset's good meta passes; train_tokens and val_tokens are required, >= 0 ints)."""
+    good = lambda n: {"dataset": n, "train_tokens": 10, "val_tokens": 0, **GOOD_META[n]}
+    assert [common.meta_problem(good(n), n) for n in GOOD_META] == [None] * len(GOOD_META)
+    assert common.meta_problem(good(name) | edit, name) == says \
+        or common.meta_problem(good(name) | edit, name).startswith(says)
+    for key in ("train_tokens", "val_tokens"):
+        meta = {k: v for k, v in good(name).items() if k != key}
+        assert common.meta_problem(meta, name) == f"has no {key}"
+
+
+def split_on_disk(tmp_path, tokens, want):
+    """data/shakespeare with a train.bin of `tokens` (uint16) and a meta.json that says `want`
+    train tokens."""
+    d = tmp_path / "shakespeare"
+    os.makedirs(d, exist_ok=True)
+    np.asarray(tokens, dtype=np.uint16).tofile(d / "train.bin")
+    meta = {"dataset": "shakespeare", "vocab_size": 3, "itos": ["\n", "a", "b"], "val_tokens": 2,
+            "train_tokens": want}
+    (d / "meta.json").write_text(json.dumps(meta))
+    return str(d / "train.bin")
+
+
+@pytest.mark.parametrize("tokens,want,says", [
+    ([1, 2, 0], 4, "has 6 bytes, but .* says 4 uint16 tokens"),  # a truncated copy
+    ([1, 2, 0, 1, 1], 4, "has 10 bytes, but .* says 4 uint16 tokens"),  # a longer one
+    ([1], 1, "has 2 bytes, but .* says 1 uint16 tokens"),  # no window: an input and a target
+    ([2, 3], 2, "holds token id 3, beyond .* vocab_size 3"),
+])
+def test_a_split_that_is_not_what_meta_json_says_is_refused(tmp_path, tokens, want, says):
+    """load_split checks a split's byte count against meta.json's token count, that it holds
+    an input and a target, and that no token id is beyond the vocabulary, naming both files."""
+    path = split_on_disk(tmp_path, tokens, want)
+    meta = re.escape(str(tmp_path / "shakespeare" / "meta.json"))
+    with pytest.raises(common.NanorouteError, match=f"^{re.escape(path)} {says}"):
+        common.load_split("shakespeare", "train", str(tmp_path))
+    with pytest.raises(common.NanorouteError, match=f"{meta}.*: the preparation is damaged; "
+                       f"delete {meta} and run again to re-prepare$"):
+        common.load_split("shakespeare", "train", str(tmp_path))
+    good = split_on_disk(tmp_path, [0, 2], 2)  # the smallest split there is, ids up to V - 1
+    split = common.load_split("shakespeare", "train", str(tmp_path))
+    assert split.tolist() == [0, 2] and not split.flags.writeable  # mapped read-only
+    assert good == path
+
+
+def test_a_missing_or_unreadable_meta_json_is_one_line_saying_what_to_do(tmp_path):
+    path = tmp_path / "copy" / "meta.json"
+    for write, why in ((None, "FileNotFoundError"), ("{not json", "JSONDecodeError")):
+        if write is not None:
+            os.makedirs(path.parent, exist_ok=True)
+            path.write_text(write)
+        with pytest.raises(common.NanorouteError) as e:
+            common.load_meta("copy", str(tmp_path))
+        assert str(e.value) == (f"{path} is missing or corrupt ({why}): delete it if it is there "
+                                "and run train.py --dataset copy to prepare the data again")
+    path.write_text(json.dumps({"dataset": "copy", "vocab_size": 35}))
+    with pytest.raises(common.NanorouteError) as e:
+        common.load_meta("copy", str(tmp_path))
+    assert str(e.value) == (f"{path} has no train_tokens: it is not what prepare() writes for "
+                            "copy; delete it and run train.py --dataset copy to prepare the data "
+                            "again")
+    assert common.meta_problem([], "copy") == "is a JSON list, not an object"
+    assert common.meta_problem({"dataset": "sort"}, "copy") == "names the dataset 'sort'"
+
+
+def test_a_missing_split_or_split_size_is_refused(tmp_path):
+    path = split_on_disk(tmp_path, [1, 2], 2)
+    test = path.replace("train.bin", "test.bin")
+    shutil.copy(path, test)  # a split that meta.json does not name
+    with pytest.raises(common.NanorouteError, match=f"{re.escape(test)} has 4 bytes, but .*"
+                       "meta.json says no test split: the preparation is damaged; delete"):
+        common.load_split("shakespeare", "test", str(tmp_path))
+    os.remove(path)
+    with pytest.raises(common.NanorouteError, match=f"{re.escape(path)} is missing, but .*"
+                       "says 2 uint16 tokens"):
+        common.load_split("shakespeare", "train", str(tmp_path))
+    os.makedirs(path)  # a directory in the file's place
+    with pytest.raises(common.NanorouteError, match="is missing"):
+        common.load_split("shakespeare", "train", str(tmp_path))
+
 def test_killed_run_resumes_exactly(data_dir, tmp_path, monkeypatch):
     run([], data_dir, tmp_path / "a")
     real_lr_at = common.lr_at
@@ -611,13 +861,96 @@ def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypa
     assert sorted(os.listdir(tmp_path / "run")) == ["best.pt", "ckpt.pt"]
 
 
+
+def test_atomic_write_replaces_whole_or_keeps_the_old_file_and_names_it(tmp_path, monkeypatch):
+    """atomic_write makes the folders, replaces the file only whole, and on any failure (an
+    exception of the writer, a kill) removes its temporary and keeps the old file; an OSError,
+    raised or wrapped (torch.save's RuntimeError), comes back with its errno, naming the path."""
+    path = str(tmp_path / "a" / "b" / "f.bin")
+    common.atomic_write(path, lambda f: f.write(b"old"))
+    common.atomic_write(path, lambda f: f.write(b"new"))
+    assert open(path, "rb").read() == b"new" and os.listdir(tmp_path / "a" / "b") == ["f.bin"]
+
+    def fails(exc):
+        def write(f):
+            f.write(b"part")
+            raise exc
+        return write
+
+    def wrapped(f):
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter")
+    for exc, want in [(ValueError("bad"), ValueError), (KeyboardInterrupt(), KeyboardInterrupt),
+                      (OSError(28, "No space left on device"), OSError), (None, OSError),
+                      (OSError("no strerror"), OSError)]:
+        with pytest.raises(want) as e:
+            common.atomic_write(path, fails(exc) if exc is not None else wrapped)
+        assert open(path, "rb").read() == b"new" and os.listdir(tmp_path / "a" / "b") == ["f.bin"]
+        if want is OSError:
+            assert e.value.filename == path
+            assert (e.value.errno, e.value.strerror) in [(28, "No space left on device"),
+                                                         (None, "no strerror")]
+        else:
+            assert e.value is exc
+    monkeypatch.chdir(tmp_path)  # a bare file name: the current folder
+    common.atomic_write("g.bin", lambda f: f.write(b"g"))
+    assert open(tmp_path / "g.bin", "rb").read() == b"g"
+    assert sorted(os.listdir(tmp_path)) == ["a", "g.bin"]  # and no folder made for it
+
 def test_empty_checkpoint_is_a_one_line_error(tmp_path):
     """A zero-byte checkpoint (what a crash leaves behind a writer that is not atomic, or a full disk) is
     reported like any other corrupt checkpoint."""
     (tmp_path / "ckpt.pt").write_bytes(b"")
-    with pytest.raises(common.NanorouteError, match="corrupt"):
+    with pytest.raises(common.NanorouteError) as e:
         common.load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert str(e.value).endswith("ckpt.pt is corrupt or not a nanoroute checkpoint (EOFError)")
 
+
+
+def test_a_checkpoint_that_is_not_weights_only_or_not_ours_is_refused(tmp_path):
+    """load_checkpoint reads with weights_only=True: a crafted file holding a pickled object is
+    refused as such (never loaded with weights_only=False); a file that is not a checkpoint says
+    torch's reason in at most 120 characters (not its advice to turn weights_only off); a dict
+    without a model and a config dict is not ours; a directory is named as one."""
+    import fractions
+    path = str(tmp_path / "ckpt.pt")
+    torch.save({"model": {}, "config": {}, "obj": fractions.Fraction(1, 3)}, path)
+    with pytest.raises(common.NanorouteError) as e:
+        common.load_checkpoint(path)
+    assert str(e.value) == (f"checkpoint {path} is not weights-only: it holds pickled objects, "
+                            "whose loading can run any code, so it is refused (nanoroute's "
+                            "checkpoints hold tensors and plain values)")
+    torch.save({"model": {"w": torch.ones(2)}, "config": {"n_embd": 2}}, path)
+    whole = open(path, "rb").read()
+    seen, load = [], torch.load
+    with pytest.MonkeyPatch.context() as m:  # a GPU's checkpoint must load on a CPU-only machine
+        m.setattr(torch, "load", lambda *a, **kw: seen.append(kw) or load(*a, **kw))
+        assert common.load_checkpoint(path)["config"] == {"n_embd": 2}
+    assert seen == [{"map_location": "cpu", "weights_only": True}]
+    open(path, "wb").write(whole[:len(whole) // 2])  # a truncated zip: torch says why, long
+    with pytest.raises(RuntimeError) as torch_says:
+        torch.load(path, weights_only=True)
+    why = str(torch_says.value).splitlines()[0]
+    assert len(why) > 120
+    with pytest.raises(common.NanorouteError) as e:
+        common.load_checkpoint(path)
+    assert str(e.value) == (f"checkpoint {path} is corrupt or not a nanoroute checkpoint "
+                            f"(RuntimeError: {why[:120]})")
+    open(path, "wb").write(b"garbage")  # torch's message here advises weights_only=False
+    with pytest.raises(common.NanorouteError) as e:
+        common.load_checkpoint(path)
+    assert str(e.value).endswith("is corrupt or not a nanoroute checkpoint (UnpicklingError)")
+    for bad in ([1, 2], {"config": {}}, {"model": {}, "config": [1]}, {"model": {}}):
+        torch.save(bad, path)
+        with pytest.raises(common.NanorouteError, match="has no model/config: not a nanoroute"):
+            common.load_checkpoint(path)
+    with pytest.raises(common.NanorouteError, match=rf"^checkpoint {re.escape(str(tmp_path))} "
+                       r"not found \(a directory\)$"):
+        common.load_checkpoint(str(tmp_path))
+    with pytest.raises(common.NanorouteError, match=r"^checkpoint .*nope.pt not found$"):
+        common.load_checkpoint(str(tmp_path / "nope.pt"))
 
 def grad_norms_at_step(monkeypatch):
     """Spy on train.py's optimizer: the L2 norm of the gradients each optimizer.step() really steps with."""
@@ -851,6 +1184,8 @@ def test_sampling_temperature_divides_the_logits(monkeypatch, temperature):
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.0, 3.0, 1.0]])
     probs = sampled_probs(monkeypatch, logits, temperature=temperature)
     assert torch.allclose(probs, torch.softmax(logits / temperature, -1), atol=1e-6)
+    if temperature == 1.0:  # the default
+        assert torch.allclose(sampled_probs(monkeypatch, logits), probs, atol=0)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
@@ -893,6 +1228,68 @@ def test_window_start_keeps_between_half_and_full_block():
         restarts = [n for n in range(bs + 1, 5 * bs) if ws[n - 1] != ws[n - 2]]
         assert all(n - common.window_start(n, bs) == h for n in restarts)  # a restart keeps exactly h tokens
 
+
+
+def test_devices_dtypes_and_autocast(monkeypatch):
+    """auto picks CUDA, else MPS, else the CPU; a device that is not here is one line naming it;
+    training's dtype is bf16 on CUDA (fp16 where bf16 is not supported), fp32 elsewhere, and
+    autocast runs that dtype (fp32: no autocast at all)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert common.pick_device("auto") == cpu and common.pick_device("cpu") == cpu
+    with pytest.raises(common.NanorouteError, match=r"^device 'cuda:1' is not available here \("):
+        common.pick_device("cuda:1")
+    with pytest.raises(common.NanorouteError, match="device must be auto, cpu, cuda, cuda:N"):
+        common.pick_device("meta")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    with pytest.raises(common.NanorouteError, match="^device 'mps' is not available"):
+        common.pick_device("auto")  # what auto picks is tried like a named device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(common.NanorouteError, match="^device 'cuda' is not available"):
+        common.pick_device("auto")
+    for bf16, want in ((True, "bf16"), (False, "fp16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda bf16=bf16: bf16)
+        assert common.default_dtype(cuda) == want
+    assert common.default_dtype(cpu) == common.default_dtype(torch.device("mps")) == "fp32"
+    assert isinstance(common.autocast(cpu), contextlib.nullcontext)
+    assert isinstance(common.autocast(cpu, "fp32"), contextlib.nullcontext)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        ctx = common.autocast(cpu, name)
+        assert isinstance(ctx, torch.autocast) and (ctx.device, ctx.fast_dtype) == ("cpu", dtype)
+    with pytest.raises(common.NanorouteError, match="^dtype must be one of fp32, bf16, fp16, "
+                       "got 'fp8'$"):
+        common.autocast(cpu, "fp8")
+
+
+def test_decode_each_dataset_and_the_past_mask():
+    meta = {"dataset": "shakespeare", "itos": ["\n", "a", "b"]}
+    assert common.decode(meta, [1, 0, 2]) == "a\nb"
+    assert common.decode({"dataset": "enwik8"}, [104, 105, 255]) == "hi\ufffd"  # bytes, replaced
+    assert common.decode({"dataset": "sort"}, [32, 3, 33, 0, 34]) == "[BOS] 3 [SEP] 0 [EOS]"
+    ids = common.bpe().encode_ordinary(" the cat")
+    for name in ("shakespeare_bpe", "fineweb_edu"):
+        assert common.decode({"dataset": name}, ids) == " the cat"
+    for dtype in (torch.float32, torch.bfloat16):
+        mask = common.past_mask(torch.tensor(2), 5, dtype)
+        assert mask.dtype == dtype and mask.shape == (1, 5)
+        assert mask.tolist() == [[0.0, 0.0, 0.0, -math.inf, -math.inf]]
+    assert common.cond(torch.tensor(True), lambda x: x + 1, lambda x: x - 1, (1,)) == 2
+    assert common.cond(torch.tensor(False), lambda x: x + 1, lambda x: x - 1, (1,)) == 0
+
+
+def test_cli_errors_are_one_line_exit_2(capsys):
+    def bad(argv):
+        raise common.NanorouteError("no such thing")
+    with pytest.raises(SystemExit) as e:
+        common.cli(bad)
+    assert e.value.code == 2 and capsys.readouterr().err == "error: no such thing\n"
+    seen = []
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(sys, "argv", ["x.py", "--a", "b"])
+    common.cli(seen.append)
+    monkey.undo()
+    assert seen == [["--a", "b"]]
 
 def sharp(model):
     """Weights of std 0.2 instead of GPT's 0.02: logits that depend strongly on every key, so a wrong cache

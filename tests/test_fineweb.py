@@ -220,6 +220,39 @@ def test_a_damaged_shard_is_one_error_naming_the_file(tmp_path, bad, why):
     assert str(d / TRAIN1) in str(e.value) and "\n" not in str(e.value)
 
 
+
+def test_a_shard_is_read_by_its_header_alone_and_named_when_unreadable(tmp_path, monkeypatch):
+    """read_shard reads 256 int32 of the header (a shard is ~200 MB: never the whole file into
+    RAM); a bad shard says what to do; a path it cannot read is one line with the OS's reason."""
+    path = str(tmp_path / VAL)
+    with open(path, "wb") as f:
+        f.write(shard_bytes(np.arange(3000)))
+    counts, fromfile = [], np.fromfile
+    monkeypatch.setattr(np, "fromfile", lambda *a, **kw: counts.append(kw.get("count", -1))
+                        or fromfile(*a, **kw))
+    shard = common.read_shard(path)
+    assert len(shard) == 3000 and counts == [256]
+    assert not shard.flags.writeable  # mapped read-only: a stray write cannot damage the data
+    with open(path, "wb") as f:
+        f.write(shard_bytes(np.arange(10), version=2))
+    with pytest.raises(common.NanorouteError) as e:
+        common.read_shard(path)
+    assert str(e.value).endswith(f"; delete it and run again to download it, or put a good copy "
+                                 f"at {path}")
+    assert str(e.value).startswith(f"{path} is not an llm.c token shard (its header starts "
+                                   f"{common.SHARD_MAGIC}, 2, not magic 20240520, version 1)")
+    with open(path, "wb") as f:
+        f.write(shard_bytes(np.arange(10), count=100))
+    with pytest.raises(common.NanorouteError, match=f"^{re.escape(path)} has 1,044 bytes, but "
+                       r"its header says 100 tokens \(1,224 bytes\): it is damaged; delete"):
+        common.read_shard(path)
+    with open(path, "wb") as f:
+        f.write(shard_bytes([]))  # no tokens: valid, and empty
+    assert len(common.read_shard(path)) == 0
+    with pytest.raises(common.NanorouteError) as e:
+        common.read_shard(str(tmp_path))
+    assert str(e.value) == f"{tmp_path} cannot be read (Is a directory)"
+
 def test_a_shard_damaged_after_preparation_is_refused_when_loaded(hub, tmp_path):
     common.prepare("fineweb_edu", str(tmp_path), shards=2)
     path = tmp_path / "fineweb_edu" / TRAIN2
@@ -271,6 +304,11 @@ def test_meta_decodes_gpt2_tokens(hub, tmp_path):
     assert meta["encoding"] == "r50k_base"  # what --init_from gpt2 requires of a dataset
 
 
+def test_fineweb_files_are_the_val_shard_and_the_first_training_ones():
+    assert common.fineweb_files() == {"train": [TRAIN1], "val": [VAL]}
+    assert common.fineweb_files(3)["train"] == [TRAIN1, TRAIN2, "finewebedu_train_000003.bin"]
+
+
 def test_shards_must_be_a_positive_integer(tmp_path):
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises(common.NanorouteError, match="shards must be an integer >= 1"):
@@ -282,6 +320,8 @@ def test_hf_url_is_the_hub_unless_the_environment_names_another(monkeypatch):
     assert common.hf_url() == "https://huggingface.co"
     monkeypatch.setenv("NANOROUTE_HF_URL", "http://mirror.example/")
     assert common.hf_url() == "http://mirror.example"
+    monkeypatch.setenv("NANOROUTE_HF_URL", "http://mirror.example/hubX//")  # only "/" stripped
+    assert common.hf_url() == "http://mirror.example/hubX"
 
 
 TINY = ["--model=tsa", "--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16",

@@ -110,6 +110,7 @@ def test_throughput_and_mfu_by_value():
     ("Tesla V100-SXM2-16GB", "fp16", 125e12),
     ("Tesla V100-SXM2-16GB", "bf16", None),  # no bf16 tensor cores
     ("Tesla V100-PCIE-32GB", "fp16", 112e12),
+    ("Tesla V100-PCIe-16GB", "fp16", 112e12),  # names differ in case: matched ignoring it
     ("Tesla T4", "fp16", 65e12),
     ("Tesla T4", "fp32", 8.1e12),
     ("NVIDIA GeForce GTX 1080", "fp32", None),
@@ -125,6 +126,7 @@ def test_peak_unknown_off_cuda_and_a_given_peak_wins(monkeypatch):
     assert common.peak_flops("mps", "fp32") is None
     assert common.peak_flops("cpu", "fp32", peak=2e12) == 2e12
     assert common.peak_flops("cuda", "bf16", peak=5e14) == 5e14
+    assert common.peak_flops("cpu", "fp32", peak=0.5) == 0.5  # any positive number
     for bad in (0, -1.0, math.inf, math.nan, "1e12"):
         with pytest.raises(common.NanorouteError, match="peak FLOP/s must be a positive number"):
             common.peak_flops("cpu", "fp32", peak=bad)
@@ -138,3 +140,13 @@ def test_mod_counts_the_k_tokens_its_routed_blocks_ran():
     import mod
     model = mod.Model(mod.Config(**SMALL, capacity=0.1))
     assert model.train_flops_per_token(32) == 102528 + 12496 + 8320
+
+
+def test_the_peak_is_the_named_gpus(monkeypatch):
+    """cuda:1's peak is GPU 1's, not the current device's."""
+    names = {None: "NVIDIA H100 80GB HBM3", 0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA A100-SXM4-80GB"}
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device=None: names[None if device is None else torch.device(
+                            device).index])
+    assert common.peak_flops(torch.device("cuda:1"), "bf16") == 312e12
+    assert common.peak_flops("cuda:0", "bf16") == 989e12
