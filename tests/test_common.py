@@ -234,9 +234,20 @@ def test_batches_reach_every_window_of_the_split():
         data = np.arange(n, dtype=np.uint16)
         x, y = common.get_batch(data, meta, 200, T, np.random.default_rng(0))
         assert torch.equal(y, x + 1)  # arange: the target of every position is the next token of the split
+        assert x.dtype == y.dtype == torch.int64
         assert torch.equal(x - x[:, :1], torch.arange(T).expand(200, T))  # contiguous windows
         assert set(x[:, 0].tolist()) == set(range(n - T))  # every start, 0 and n - T - 1 included
         assert x.min() == 0 and y.max() == n - 1  # the first token is read, the last is predicted
+
+
+def test_a_split_no_longer_than_block_size_is_refused():
+    """A window needs block_size + 1 tokens (an input and its shifted target)."""
+    meta = {"dataset": "shakespeare", "unit": "char"}
+    with pytest.raises(common.NanorouteError, match=r"^block_size=8 is longer than the split "
+                       r"\(8 tokens\)$"):
+        common.get_batch(np.arange(8, dtype=np.uint16), meta, 2, 8, np.random.default_rng(0))
+    x, _ = common.get_batch(np.arange(9, dtype=np.uint16), meta, 2, 8, np.random.default_rng(0))
+    assert x[:, 0].tolist() == [0, 0]
 
 
 def test_record_batches_reach_every_record():
@@ -245,7 +256,7 @@ def test_record_batches_reach_every_record():
     meta = {"dataset": "copy", "record_len": R, "unit": "token"}
     data = np.arange(n * R, dtype=np.uint16)
     x, y = common.get_batch(data, meta, 200, R - 1, np.random.default_rng(0))
-    assert set((x[:, 0] // R).tolist()) == set(range(n))
+    assert set((x[:, 0] // R).tolist()) == set(range(n)) and x.dtype == y.dtype == torch.int64
     assert torch.equal(x - x[:, :1], torch.arange(R - 1).expand(200, R - 1))  # whole records, from their start
     assert (y[:, :common.TASK_LEN + 1] == -1).all()
     assert torch.equal(y[:, common.TASK_LEN + 1:], x[:, common.TASK_LEN + 1:] + 1)
@@ -338,6 +349,9 @@ def test_config_accepts_each_lower_bound_and_refuses_below_it(name, low, below):
         common.Config(**kw, **{name: below})
 
 
+GELU_SAYS = re.escape("gelu must be 'none' (exact) or 'tanh' (GPT-2), got 'relu'")
+
+
 def test_config_rules_at_their_edges():
     """The other rules, each at the value where it starts and stops holding."""
     C, err = common.Config, common.NanorouteError
@@ -348,7 +362,7 @@ def test_config_rules_at_their_edges():
                               ("dropout", True, "dropout must be float, got True"),
                               ("learning_rate", math.inf, "learning_rate must be a finite number"),
                               ("min_lr", math.nan, "min_lr must be a finite number"),
-                              ("gelu", "relu", "gelu must be 'none' .* got 'relu'"),
+                              ("gelu", "relu", GELU_SAYS),
                               ("device", "cuda:x", "device must be auto, cpu, cuda, cuda:N or mps"),
                               ("learning_rate", 0.0, "learning_rate must be > 0, got 0.0"),
                               ("seed", 2 ** 63, "seed must be < 2\\*\\*63"),
@@ -1238,8 +1252,13 @@ def test_devices_dtypes_and_autocast(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert common.pick_device("auto") == cpu and common.pick_device("cpu") == cpu
-    with pytest.raises(common.NanorouteError, match=r"^device 'cuda:1' is not available here \("):
+    with pytest.raises((RuntimeError, AssertionError)) as torch_says:
+        torch.empty(1, device="cuda:1")
+    with pytest.raises(common.NanorouteError) as e:
         common.pick_device("cuda:1")
+    assert str(e.value) == ("device 'cuda:1' is not available here "
+                            f"({str(torch_says.value).splitlines()[0]})")
+    assert common.pick_device() == cpu  # auto by default
     with pytest.raises(common.NanorouteError, match="device must be auto, cpu, cuda, cuda:N"):
         common.pick_device("meta")
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
