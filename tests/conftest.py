@@ -1,3 +1,4 @@
+import contextlib
 import os
 import shutil
 import sys
@@ -10,6 +11,25 @@ torch.set_num_threads(1)  # tiny models: threads only add overhead, and CI machi
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SHARED_SHAKESPEARE = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare", "input.txt")
+@contextlib.contextmanager
+def killed_at(step):
+    """The training run inside dies (KeyboardInterrupt) in the middle of `step`, as a kill would:
+    that step's learning-rate lookup raises. The body must raise it; common.lr_at is restored."""
+    import common
+    real = common.lr_at
+
+    def lr_at(it, cfg):
+        if it == step:
+            raise KeyboardInterrupt
+        return real(it, cfg)
+    common.lr_at = lr_at
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        common.lr_at = real
+
+
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(ROOT, "..", "shared", "data", "tiktoken_cache"))
 
 

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import common
 import train
-from conftest import ROOT, decoded_vs_full
+from conftest import ROOT, decoded_vs_full, killed_at
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -788,18 +788,10 @@ def test_a_missing_split_or_split_size_is_refused(tmp_path):
     with pytest.raises(common.NanorouteError, match="is missing"):
         common.load_split("shakespeare", "train", str(tmp_path))
 
-def test_killed_run_resumes_exactly(data_dir, tmp_path, monkeypatch):
+def test_killed_run_resumes_exactly(data_dir, tmp_path):
     run([], data_dir, tmp_path / "a")
-    real_lr_at = common.lr_at
-
-    def killed_at_13(it, cfg):  # the process dies in the middle of step 13, after the checkpoint at 10
-        if it == 13:
-            raise KeyboardInterrupt
-        return real_lr_at(it, cfg)
-    monkeypatch.setattr(common, "lr_at", killed_at_13)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at(13):  # the process dies in the middle of step 13, after the checkpoint at 10
         run([], data_dir, tmp_path / "b")
-    monkeypatch.setattr(common, "lr_at", real_lr_at)
     assert len(records(tmp_path / "b")) < len(records(tmp_path / "a"))
     run(["--resume"], data_dir, tmp_path / "b")
     assert records(tmp_path / "a") == records(tmp_path / "b")  # dropout RNG, data order, optimizer: all exact
@@ -1008,16 +1000,8 @@ def test_best_checkpoint_survives_resume(data_dir, tmp_path, monkeypatch):
                         lambda model, data, meta, cfg, device, split="val", sparse=False:
                         {"loss": 9.0} if split == "train" else {"loss": next(vals)})
     monkeypatch.setattr(train, "summary", lambda *a: None)
-    real_lr_at = common.lr_at
-
-    def killed_at_13(it, cfg):
-        if it == 13:
-            raise KeyboardInterrupt
-        return real_lr_at(it, cfg)
-    monkeypatch.setattr(common, "lr_at", killed_at_13)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at(13):
         run([], data_dir, tmp_path)
-    monkeypatch.setattr(common, "lr_at", real_lr_at)
     best = lambda: common.load_checkpoint(str(tmp_path / "best.pt"))
     assert (best()["iter"], best()["val_loss"]) == (5, 10.0)
     assert run(["--resume"], data_dir, tmp_path) == 10.0

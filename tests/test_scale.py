@@ -17,7 +17,7 @@ import torch
 
 import common
 import conddepth
-from conftest import ROOT
+from conftest import ROOT, killed_at
 import dtrnet
 import hybrid_attn
 import mod
@@ -264,18 +264,10 @@ def records(out):
             for r in map(json.loads, open(out / "metrics.jsonl"))]
 
 
-def test_an_accumulating_run_resumes_exactly(data_dir, tmp_path, monkeypatch):
+def test_an_accumulating_run_resumes_exactly(data_dir, tmp_path):
     run(data_dir, tmp_path / "a", "--max_iters=6")
-    real = common.lr_at
-
-    def killed_at_4(it, cfg):
-        if it == 4:
-            raise KeyboardInterrupt
-        return real(it, cfg)
-    monkeypatch.setattr(common, "lr_at", killed_at_4)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at(4):
         run(data_dir, tmp_path / "b", "--max_iters=6")
-    monkeypatch.setattr(common, "lr_at", real)
     run(data_dir, tmp_path / "b", "--resume", "--max_iters=6")
     assert records(tmp_path / "a") == records(tmp_path / "b")
     saved = json.load(open(tmp_path / "b" / "config.json"))
