@@ -388,10 +388,13 @@ def atomic_write(path, write):
     except BaseException as e:
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
-        # torch.save wraps a failed write in a RuntimeError
+        # torch.save's zip writer replaces what stopped the write (a full disk, a Ctrl-C) with a
+        # RuntimeError of its own on the way out: raise what stopped it
         err = e if isinstance(e, OSError) else e.__context__
         if isinstance(err, OSError):
             raise OSError(err.errno, err.strerror or str(err), path) from None
+        if isinstance(err, BaseException) and not isinstance(err, Exception):
+            raise err from None  # an interrupt stays one: Ctrl-C, SystemExit
         raise
 
 

@@ -868,6 +868,21 @@ def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypa
 
 
 
+class StopsAt:
+    """A file whose n-th write raises exc: a Ctrl-C or a kill arriving in the middle of a write."""
+    def __init__(self, f, n, exc):
+        self.f, self.n, self.exc = f, n, exc
+
+    def write(self, b):
+        self.n -= 1
+        if self.n == 0:
+            raise self.exc
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
 def test_atomic_write_replaces_whole_or_keeps_the_old_file_and_names_it(tmp_path, monkeypatch):
     """atomic_write makes the folders, replaces the file only whole, and on any failure (an
     exception of the writer, a kill) removes its temporary and keeps the old file; an OSError,
@@ -900,6 +915,10 @@ def test_atomic_write_replaces_whole_or_keeps_the_old_file_and_names_it(tmp_path
                                                          (None, "no strerror")]
         else:
             assert e.value is exc
+    for exc in (KeyboardInterrupt(), SystemExit(1)):  # torch.save's writer replaces an interrupt
+        with pytest.raises(type(exc)) as e:
+            common.atomic_write(path, lambda f: torch.save(torch.zeros(999), StopsAt(f, 3, exc)))
+        assert e.value is exc and os.listdir(tmp_path / "a" / "b") == ["f.bin"]
     monkeypatch.chdir(tmp_path)  # a bare file name: the current folder
     common.atomic_write("g.bin", lambda f: f.write(b"g"))
     assert open(tmp_path / "g.bin", "rb").read() == b"g"
