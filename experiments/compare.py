@@ -210,8 +210,7 @@ def on_line(name, rs):
 
 
 def dense_line(groups):
-    mean = lambda rs, k: mean_sd([r[k] for r in rs])[0]  # noqa: E731
-    return sorted((mean(rs, "flops_ratio"), mean(rs, "val_loss"))
+    return sorted((mean_sd([r["flops_ratio"] for r in rs])[0], mean_sd([r["val_loss"] for r in rs])[0])
                   for name, rs in groups.items() if on_line(name, rs))
 
 
@@ -225,11 +224,8 @@ def dense_loss_at(line, flops):
 def verdict(loss, sd, line_loss):
     if line_loss is None:
         return "outside the dense range"
-    if loss + sd < line_loss:
-        return "beats the dense line"
-    if loss - sd > line_loss:
-        return "worse than the dense line"
-    return "on the dense line (within seed spread)"
+    return ("beats the dense line" if loss + sd < line_loss else "worse than the dense line" if loss - sd > line_loss
+            else "on the dense line (within seed spread)")
 
 
 def control_of(name):
@@ -282,17 +278,14 @@ def table(records):
                            "speedup T=256", "speedup T=1024", "KV/state @1024", "train step ratio"])
 
 
-def write_section(md, key, text, title="# All four routers vs dense GPTs of matched cost\n"):
+def write_section(md, key, text):
     """Replace (or append) the page's section <!-- key --> ... <!-- /key -->, keeping the rest."""
-    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
-    page = open(md).read() if os.path.exists(md) else title
-    block = f"{start}\n{text.rstrip()}\n{end}\n"
-    if start in page:
-        head, rest = page.split(start, 1)
-        page = head + block + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        page = page.rstrip("\n") + "\n\n" + block
     import common
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    page = open(md).read() if os.path.exists(md) else "# All four routers vs dense GPTs of matched cost\n"
+    head, found, rest = page.partition(start)
+    block = f"{start}\n{text.rstrip()}\n{end}\n"
+    page = head + block + rest.split(end, 1)[1].lstrip("\n") if found else page.rstrip("\n") + "\n\n" + block
     common.atomic_write(md, lambda f: f.write(page.encode()))
 
 
@@ -371,38 +364,41 @@ def entry(main, *args):
 
 
 def finished(root, hint, models=None):
-    """(root, the names of its runs that finished, with a `done` file); none is a one-line error
-    saying how. models: the --model values the study trains; each run is checked (check_run)."""
+    """(root, the names of its runs that finished, with a `done` file); none is a one-line error saying how.
+    Rule: a run folder handed to a study is validated before use: with models (the --model values the study
+    trains), each run must be a train.py run of one of them with an eval line; else one line naming it and the fix."""
     root = os.path.join(ROOT, root)
     runs = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "done"))) \
         if os.path.isdir(root) else []
     if not runs:
         raise ValueError(f"no finished runs in {root}: {hint}")
-    for d in runs if models else ():
-        check_run(os.path.join(root, d), models, hint)
+    for run in [os.path.join(root, d) for d in runs] if models else ():
+        try:
+            model, last = json.load(open(os.path.join(run, "config.json")))["model"], evals(run)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{run} is not a train.py run ({type(e).__name__}: {e}); {hint}")
+        if model not in models:
+            raise ValueError(f"{run} is a --model {model} run; this study's runs are "
+                             f"{', '.join(sorted(models))}: pass the --out it trained into, or {hint}")
+        if not last:
+            raise ValueError(f"{run}/metrics.jsonl has no eval line: the run did not finish; {hint}")
     return root, runs
 
 
-def check_run(run, models, hint):
-    """Rule: a run folder handed to a study is validated before use: a train.py run (config.json)
-    of one of the study's models, with an eval line in its metrics.jsonl; else one line naming the
-    folder and the fix."""
-    try:
-        model = json.load(open(os.path.join(run, "config.json")))["model"]
-        recs = map(json.loads, open(os.path.join(run, "metrics.jsonl")))
-        last = [r for r in recs if r.get("kind") == "eval"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{run} is not a train.py run ({type(e).__name__}: {e}); {hint}")
-    if model not in models:
-        raise ValueError(f"{run} is a --model {model} run; this study's runs are "
-                         f"{', '.join(sorted(models))}: pass the --out it trained into, or {hint}")
-    if not last:
-        raise ValueError(f"{run}/metrics.jsonl has no eval line: the run did not finish; {hint}")
+def check_rows(path, rows, where, what, fix, needs):
+    """Rule: a file read from outside is validated before use: each of its rows (JSON values) is an object with
+    the keys needs(row) names (what its tables read), else one line naming the file, the row and the fix."""
+    for i, r in enumerate(rows, 1):
+        missing = [k for k in needs(r) if k not in r] if isinstance(r, dict) else None
+        if missing != []:
+            why = f"no {', '.join(missing)}" if missing else "not an object"
+            raise ValueError(f"{path} {where} {i} is not {what} ({why}); {fix}")
+    return rows
 
 
-def study_cli(doc, commands, out, argv=None, p=None):
-    """A study script's command line, CMD [--out DIR] [--dry-run] (and p's options); runs CMD."""
-    p = p or parser(doc)
+def study_cli(doc, commands, out, argv=None):
+    """A study script's command line, CMD [--out DIR] [--dry-run]; runs CMD."""
+    p = parser(doc)
     p.add_argument("cmd", choices=list(commands))
     p.add_argument("--out", default=out, help="the runs' folder")
     p.add_argument("--dry-run", action="store_true", help="print the train.py commands only")

@@ -183,29 +183,21 @@ RECORD_KEYS = {"gpt": ("run", "seed", "val_loss"), "early_exit": ("run", "seed",
                        "hard_active", "sparse_maxdiff_ffn", "sparse_maxdiff_query", "sparse_loss")}
 
 
-def eval_records(path):
-    """Rule: a file read from outside is validated before use. A records file (JSON lines written
-    by `eval`) -> {run name: record}; a line that is not such a record is one line naming it."""
-    recs = {}
-    for i, line in enumerate(open(path), 1):
-        try:
-            r = json.loads(line)
-        except ValueError:
-            r = None
-        kind = r.get("variant", r.get("model")) if isinstance(r, dict) else None
-        missing = [k for k in RECORD_KEYS.get(kind, ("model",))
-                   if not isinstance(r, dict) or k not in r]
-        if missing or not isinstance(r.get("run"), str):
-            raise ValueError(f"{path} line {i} is not an `eval` record (no "
-                             f"{', '.join(missing or ['run'])}): write them with "
-                             "`python experiments/tsa.py eval`")
-        recs[os.path.basename(r["run"])] = r
-    return recs
+def parse(line):
+    """A records file's line to check: not JSON, no object; a run that is not a path, no run."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return None
+    return {k: v for k, v in r.items() if k != "run" or isinstance(v, str)} if isinstance(r, dict) else r
 
 
 def table(a):
     """The tables of results/tsa.md's `study` and `budget` sections from `eval` records (JSON lines)."""
-    recs = eval_records(a.records)
+    rows = compare.check_rows(a.records, [parse(l) for l in open(a.records)], "line", "an `eval` record",
+                              "write them with `python experiments/tsa.py eval`",
+                              lambda r: RECORD_KEYS.get(r.get("variant", r.get("model")), ("model",)))
+    recs = {os.path.basename(r["run"]): r for r in rows}
     if not recs:
         raise ValueError(f"no records in {a.records}: write them with `python experiments/tsa.py eval`")
     tsa = {k: r for k, r in recs.items() if r.get("variant") == "tsa"}
