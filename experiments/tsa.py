@@ -96,11 +96,10 @@ def record(run, out, eval_iters, eval_seed=None):
     import tsa
     dev, (model, cfg, _) = torch.device("cpu"), compare.load(run)
     it = evals(run)[-1]["step"]  # the final checkpoint's iteration
-    train_seed = cfg.seed
     cfg = dataclasses.replace(cfg, eval_iters=eval_iters, seed=cfg.seed if eval_seed is None else eval_seed)
     meta, val = common.load_meta(cfg.dataset, cfg.data_dir), common.load_split(cfg.dataset, "val", cfg.data_dir)
-    rec = {"run": run, "model": cfg.model, "iter": it, "seed": train_seed, "eval_seed": cfg.seed,
-           "dataset": cfg.dataset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+    rec = {"run": run, "model": cfg.model, "iter": it, "seed": model.cfg.seed,  # model.cfg: the run's, cfg: the eval's
+           "eval_seed": cfg.seed, "dataset": cfg.dataset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
            "tokens": it * cfg.batch_size * cfg.block_size}
     if cfg.model == "gpt":
         ev = common.estimate_loss(model, val, meta, cfg, dev)
@@ -178,9 +177,9 @@ def vs_dense(recs, pre, title):
 
 # the keys the tables read from an `eval` record, per kind (evaluate writes them)
 RECORD_KEYS = {"gpt": ("run", "seed", "val_loss"), "early_exit": ("run", "seed", "sweep"),
-               "tsa": ("run", "seed", "lam", "soft_loss", "alpha", "tlops_saved", "alpha_hard",
-                       "tlops_saved_hard", "hard_loss_01", "hard_loss_scaled", "active",
-                       "hard_active", "sparse_maxdiff_ffn", "sparse_maxdiff_query", "sparse_loss")}
+               "tsa": ("run", "seed", "lam", "soft_loss", "alpha", "tlops_saved", "alpha_hard", "tlops_saved_hard",
+                       "hard_loss_01", "hard_loss_scaled", "active", "hard_active", "sparse_maxdiff_ffn",
+                       "sparse_maxdiff_query", "sparse_loss")}
 
 
 def parse(line):
@@ -296,28 +295,25 @@ MECHANISM = {"soft": "paper: soft training only", "train": "last 15% ST, routers
              "softlr": "control: soft training, the branches' lr schedule"}
 
 
-def references(root, names):
+def finals(root, names):
+    """name -> (kind, seed, its eval lines) of each finished run <kind>_s<seed>."""
+    return {d: (*d.rpartition("_s")[::2], evals(os.path.join(root, d))) for d in names}
+
+
+def references(runs):
     """seed -> final soft val of the paper's soft-only run (soft_sS) and of the control (softlr_sS)."""
-    refs = {"soft": {}, "softlr": {}}
-    for d in names:
-        kind, _, seed = d.rpartition("_s")
-        if kind in refs:
-            refs[kind][seed] = evals(os.path.join(root, d))[-1]["val_soft_loss"]
-    return refs
+    return {k: {s: ev[-1]["val_soft_loss"] for kind, s, ev in runs.values() if kind == k} for k in ("soft", "softlr")}
 
 
 def proxy_table(a):
     """Per proxy run: best and last val (hard "01" gates), soft val, hard vs the references."""
-    (root, names), rows = compare.finished(a.root, "train them with `python experiments/tsa.py proxy --seed S`"), []
-    refs = references(root, names)
-    for d in names:
-        kind, _, seed = d.rpartition("_s")
+    runs, rows = finals(*compare.finished(a.root, "train them with `python experiments/tsa.py proxy --seed S`")), []
+    for d, (kind, seed, ev) in runs.items():
         if kind not in MECHANISM:
             continue
-        ev = evals(os.path.join(root, d))
         best, last = min(ev, key=lambda r: r["val_loss"]), ev[-1]
         skips = " / ".join(f"{v:.0%}" for k, v in sorted(last.items()) if k.startswith("val_skip_l"))
-        rel = [f"{last['val_loss'] / r[seed] - 1:+.2%}" if seed in r else "–" for r in refs.values()]
+        rel = [f"{last['val_loss'] / r[seed] - 1:+.2%}" if seed in r else "–" for r in references(runs).values()]
         rows.append([d, MECHANISM[kind], f"{best['val_loss']:.4f} @ {best['step']}", f4(last["val_loss"]),
                      f4(last["val_soft_loss"]), f"{last['val_loss'] / last['val_soft_loss'] - 1:+.2%}", *rel,
                      f"{last['val_skipped']:.1%} ({skips})", last["step"]])
@@ -335,29 +331,20 @@ def curve(a):
 
 def setting(run):
     """A run's (dropout, peak lr), from its config.json."""
-    cfg = json.load(open(os.path.join(run, "config.json")))
-    return cfg["dropout"], cfg["learning_rate"]
-
-
-def dense_runs(root, names):
-    """The finished dense_*_sS runs (grid --model gpt): {(dropout, lr): {seed: final val loss}}."""
-    by = {}
-    for d in [d for d in names if d.startswith("dense_")]:
-        run = os.path.join(root, d)
-        by.setdefault(setting(run), {})[d.rpartition("_s")[2]] = evals(run)[-1]["val_loss"]
-    return by
+    return tuple(json.load(open(os.path.join(run, "config.json")))[k] for k in ("dropout", "learning_rate"))
 
 
 def curve_table(a):
     """One row per share (mean ± sd over seeds), the dense GPTs, TSA's grid runs; --png: a plot."""
-    (root, names), by = compare.finished(a.root, "train them with `python experiments/tsa.py curve` and `grid`"), {}
-    refs, dense = references(root, names), dense_runs(root, names)  # setting -> {seed: val}
-    best = min(dense, key=lambda k: compare.mean_sd(list(dense[k].values()))[0]) if dense else None
-    refs["dense"] = dense.get(best, {})
-    for d in names:
-        kind, _, seed = d.rpartition("_s")
+    root, names = compare.finished(a.root, "train them with `python experiments/tsa.py curve` and `grid`")
+    ran, by, dense = finals(root, names), {}, {}  # share -> [(seed, final eval)]; (dropout, lr) -> {seed: val}
+    for d, (kind, seed, ev) in ran.items():
         if kind.startswith("share"):
-            by.setdefault(float(kind[5:]), []).append((seed, evals(os.path.join(root, d))[-1]))
+            by.setdefault(float(kind[5:]), []).append((seed, ev[-1]))
+        elif kind.startswith("dense_"):  # grid --model gpt
+            dense.setdefault(setting(os.path.join(root, d)), {})[seed] = ev[-1]["val_loss"]
+    best = min(dense, key=lambda k: compare.mean_sd(list(dense[k].values()))[0]) if dense else None
+    refs = {**references(ran), "dense": dense.get(best, {})}
     rows, pc = [], lambda xs, n=2, sign="+": mean_sd([100 * x for x in xs], n, sign) + "%"
     for share, runs in sorted(by.items()):
         seeds, v = [s for s, _ in runs], lambda k: [e[k] for _, e in runs]
@@ -374,8 +361,8 @@ def curve_table(a):
     print(f"best dense GPT: dropout {best[0]}, lr {best[1]:g}\n" if best else "")
     rows, points = [], []  # TSA's whole recipe at other settings (`grid --model tsa`)
     for d in [d for d in names if d.startswith("tsa_")]:
-        e, seed, (do, lr) = evals(os.path.join(root, d))[-1], d.rpartition("_s")[2], setting(os.path.join(root, d))
-        same = dense.get((do, lr), {})
+        (_, seed, ev), (do, lr) = ran[d], setting(os.path.join(root, d))
+        e, same = ev[-1], dense.get((do, lr), {})
         points.append((f"TSA's whole recipe at dropout {do}, lr {lr:g}", 100 * e["val_tlops_saved_hard"], e["val_loss"]))
         rows.append([d, f"dropout {do}, lr {lr:g}", f4(e["val_loss"]), f4(e["val_soft_loss"]),
                      f"{e['val_tlops_saved_hard']:.1%}", f"{e['val_loss'] / same[seed] - 1:+.2%}" if seed in same else "–",
@@ -407,9 +394,8 @@ def plot_curve(by, refs, points, path):
 
 
 def grid(a):
-    """At the proxy, per dropout × peak lr (min_lr = lr/10) and seed: the dense GPT
-    (dense_do<D>_lr<LR>_sS) or TSA's recipe per exec_share, its ST phase at that lr
-    (tsa_do<D>_lr<LR>_share<S>_sS)."""
+    """At the proxy, per dropout × peak lr (min_lr = lr/10) and seed: the dense GPT (dense_do<D>_lr<LR>_sS) or
+    TSA's recipe per exec_share, its ST phase at that lr (tsa_do<D>_lr<LR>_share<S>_sS)."""
     shares = a.shares if a.model == "tsa" else [""]
     for do, lr, s, S in itertools.product(a.dropouts, a.lrs, a.seeds, shares):
         flags = [f"--dropout={do}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}", f"--seed={s}"]
@@ -420,13 +406,9 @@ def grid(a):
                 *PROXY, *flags, f"--hard_ft_lr={lr}", f"--hard_ft_iters={N - AT}", f"--exec_share={S}"], dry=a.dry_run)
 
 
-def evaluate(a):
-    for run in a.paths:
-        record(run, a.out, a.eval_iters, a.eval_seed)
-
-
-COMMANDS = {"study": study, "budget": budget, "table": table, "eval": evaluate, "proxy": proxy,
-            "proxy-table": proxy_table, "curve": curve, "curve-table": curve_table, "grid": grid}
+COMMANDS = {"study": study, "budget": budget, "table": table,
+            "eval": lambda a: [record(run, a.out, a.eval_iters, a.eval_seed) for run in a.paths],
+            "proxy": proxy, "proxy-table": proxy_table, "curve": curve, "curve-table": curve_table, "grid": grid}
 
 
 def main(argv=None):
