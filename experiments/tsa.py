@@ -38,6 +38,26 @@ PROXY = (f"--model=tsa --dataset=shakespeare --preset=paper --n_layer=4 --n_head
 DENSE = (f"--model=gpt --dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --max_iters={N} --batch_size=64 "
          "--block_size=128 --warmup_iters=0 --beta2=0.95 --weight_decay=0.1 --eval_interval=236 --eval_iters=20 "
          "--log_interval=100").split()  # the proxy's size, budget, optimiser and evals, as a dense GPT
+# the tables: the `study` / `budget` settings by run-name prefix, the proxy's runs by kind
+GROUPS = {"P_": "paper token budget (6×64, 5000 × 64 × 128 = 41M tokens)",
+          "D_": "default preset (6×192, 2250 × 16 × 128 = 4.6M tokens)",
+          "": "Shakespeare char, 4×128, 600 × 16 × 128 = 1.2M tokens",
+          "long_": "Shakespeare char, 4×128, 1500 × 16 × 128 = 3.1M tokens"}
+MECHANISM = {"soft": "paper: soft training only", "train": "last 15% ST, routers train",
+             "frozen": "last 15% ST, routers frozen", "calibrate": "last 15% ST, routers calibrated, then frozen",
+             "softlr": "control: soft training, the branches' lr schedule"}
+# the keys the tables read from an `eval` record, per kind (evaluate writes them)
+RECORD_KEYS = {"gpt": ("run", "seed", "val_loss"), "early_exit": ("run", "seed", "sweep"),
+               "tsa": ("run", "seed", "lam", "soft_loss", "alpha", "tlops_saved", "alpha_hard", "tlops_saved_hard",
+                       "hard_loss_01", "hard_loss_scaled", "active", "hard_active", "sparse_maxdiff_ffn",
+                       "sparse_maxdiff_query", "sparse_loss")}
+# the tables' number formats: a value, its change against d, an α with the TLOps it saves
+f4 = lambda v, n=4: f"{v:.{n}f}"  # noqa: E731
+pct = lambda v, d: f"{f4(v)} ({100 * (v / d - 1):+.2f}%)"  # noqa: E731
+saved = lambda r, k: f"{f4(r['alpha' + k], 3)} ({100 * r['tlops_saved' + k]:.1f}%)"  # noqa: E731
+# the early-exit val loss at α, linear between the two nearest points of its threshold sweep
+interp = lambda sweep, alpha: compare.dense_loss_at(  # noqa: E731
+    sorted((r["alpha"], r["val_loss"]) for r in sweep), alpha) or float("nan")
 
 
 def run(out, name, flags, a):
@@ -133,24 +153,9 @@ def record(run, out, eval_iters, eval_seed=None):
         f.write(json.dumps(rec) + "\n")
 
 
-# the tables' number formats: a value, its change against d, an α with the TLOps it saves
-f4 = lambda v, n=4: f"{v:.{n}f}"  # noqa: E731
-pct = lambda v, d: f"{f4(v)} ({100 * (v / d - 1):+.2f}%)"  # noqa: E731
-saved = lambda r, k: f"{f4(r['alpha' + k], 3)} ({100 * r['tlops_saved' + k]:.1f}%)"  # noqa: E731
-# the early-exit val loss at α, linear between the two nearest points of its threshold sweep
-interp = lambda sweep, alpha: compare.dense_loss_at(  # noqa: E731
-    sorted((r["alpha"], r["val_loss"]) for r in sweep), alpha) or float("nan")
-
-
 def mean_sd(xs, n=4, sign=""):
     m, sd = compare.mean_sd(xs)
     return f"{m:{sign}.{n}f} ± {sd:.{n}f}" if len(xs) > 1 else f"{m:{sign}.{n}f}"
-
-
-GROUPS = {"P_": "paper token budget (6×64, 5000 × 64 × 128 = 41M tokens)",
-          "D_": "default preset (6×192, 2250 × 16 × 128 = 4.6M tokens)",
-          "": "Shakespeare char, 4×128, 600 × 16 × 128 = 1.2M tokens",
-          "long_": "Shakespeare char, 4×128, 1500 × 16 × 128 = 3.1M tokens"}
 
 
 def vs_dense(recs, pre, title):
@@ -175,13 +180,6 @@ def vs_dense(recs, pre, title):
         "hard α (saved)"])] if tsa else []
 
 
-# the keys the tables read from an `eval` record, per kind (evaluate writes them)
-RECORD_KEYS = {"gpt": ("run", "seed", "val_loss"), "early_exit": ("run", "seed", "sweep"),
-               "tsa": ("run", "seed", "lam", "soft_loss", "alpha", "tlops_saved", "alpha_hard", "tlops_saved_hard",
-                       "hard_loss_01", "hard_loss_scaled", "active", "hard_active", "sparse_maxdiff_ffn",
-                       "sparse_maxdiff_query", "sparse_loss")}
-
-
 def parse(line):
     """A records file's line to check: not JSON, no object; a run that is not a path, no run."""
     try:
@@ -193,12 +191,12 @@ def parse(line):
 
 def table(a):
     """The tables of results/tsa.md's `study` and `budget` sections from `eval` records (JSON lines)."""
-    rows = compare.check_rows(a.records, [parse(l) for l in open(a.records)], "line", "an `eval` record",
+    rows = compare.check_rows(a.root, [parse(l) for l in open(a.root)], "line", "an `eval` record",
                               "write them with `python experiments/tsa.py eval`",
                               lambda r: RECORD_KEYS.get(r.get("variant", r.get("model")), ("model",)))
     recs = {os.path.basename(r["run"]): r for r in rows}
     if not recs:
-        raise ValueError(f"no records in {a.records}: write them with `python experiments/tsa.py eval`")
+        raise ValueError(f"no records in {a.root}: write them with `python experiments/tsa.py eval`")
     tsa = {k: r for k, r in recs.items() if r.get("variant") == "tsa"}
     out = [line for pre, title in GROUPS.items() for line in vs_dense(recs, pre, title)]
     for pre, start in (("P_", "lam0.001"), ("D_", "lam0.001"), ("", "lam0.05")):  # continued straight-through
@@ -221,19 +219,17 @@ def table(a):
           f"{f4(r['hard_loss_scaled'])} (scaled)"] for k, r in tsa.items()],
         ["run", "max abs logit diff sparse(FFN) vs eval", "sparse(FFN+query) vs eval", "sparse val loss",
          "eval val loss"])]
-    for k, r in recs.items():
-        if r.get("variant") == "early_exit":
-            out += [f"#### Early exit ({k}): threshold sweep", "", md_table(
-                [[s["threshold"], f4(s["alpha"], 3), f"{100 * s['tlops_saved']:.1f}%", f4(s["val_loss"])]
-                 for s in r["sweep"]],
-                ["threshold", "α", "TLOps saved", "val loss"]),
-                "TSA vs early exit at matched α (early-exit loss interpolated between sweep points; same seed):", "",
-                md_table([[q, f4(t["alpha_hard"], 3), f4(min(t["hard_loss_01"], t["hard_loss_scaled"])),
-                           f4(interp(r["sweep"], t["alpha_hard"])), f4(t["alpha"], 3), f4(t["soft_loss"]),
-                           f4(interp(r["sweep"], t["alpha"]))]
-                          for q, t in tsa.items() if t["seed"] == r["seed"] and t["dataset"] == "shakespeare"],
-                         ["TSA run", "TSA hard α", "TSA hard val (best variant)", "early exit val at that α",
-                          "TSA soft α", "TSA soft val", "early exit val at soft α"])]
+    for k, r in [(k, r) for k, r in recs.items() if r.get("variant") == "early_exit"]:
+        out += [f"#### Early exit ({k}): threshold sweep", "", md_table(
+            [[s["threshold"], f4(s["alpha"], 3), f"{100 * s['tlops_saved']:.1f}%", f4(s["val_loss"])]
+             for s in r["sweep"]], ["threshold", "α", "TLOps saved", "val loss"]),
+            "TSA vs early exit at matched α (early-exit loss interpolated between sweep points; same seed):", "",
+            md_table([[q, f4(t["alpha_hard"], 3), f4(min(t["hard_loss_01"], t["hard_loss_scaled"])),
+                       f4(interp(r["sweep"], t["alpha_hard"])), f4(t["alpha"], 3), f4(t["soft_loss"]),
+                       f4(interp(r["sweep"], t["alpha"]))]
+                      for q, t in tsa.items() if t["seed"] == r["seed"] and t["dataset"] == "shakespeare"],
+                     ["TSA run", "TSA hard α", "TSA hard val (best variant)", "early exit val at that α",
+                      "TSA soft α", "TSA soft val", "early exit val at soft α"])]
     tasks = [r for r in recs.values() if r["dataset"] in ("copy", "sort")]
     rows = [[r["dataset"], "dense", f4(r["acc"]), 1, 0, 1] if r["model"] == "gpt" else
             [r["dataset"], f"TSA λ={r['lam']}", f4(r["acc_scaled"]), f4(r["alpha"], 3),
@@ -246,7 +242,7 @@ def table(a):
 def snapshot(a, s):
     """The soft recipe to N iterations (soft_sS); its step-AT checkpoint copied to snap708_sS."""
     base, snap = os.path.join(ROOT, a.out, f"soft_s{s}"), os.path.join(ROOT, a.out, f"snap{AT}_s{s}")
-    flags = [*PROXY, f"--seed={s}", SOFT]
+    flags, ckpt = [*PROXY, f"--seed={s}", SOFT], os.path.join(base, "ckpt.pt")
     if a.dry_run:
         return train_run(f"{a.out}/soft_s{s}", flags, dry=True)
     if os.path.exists(os.path.join(base, "done")) and os.path.exists(os.path.join(snap, "ckpt.pt")):
@@ -254,9 +250,7 @@ def snapshot(a, s):
     import common
     import train
     os.makedirs(base, exist_ok=True)
-    ckpt = os.path.join(base, "ckpt.pt")
-    resume = os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] < AT
-    # past AT without its snapshot: start over
+    resume = os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] < AT  # past AT without its snapshot: anew
     flags += [f"--out_dir={a.out}/soft_s{s}", "--resume" if resume else "--overwrite"]
     with open(base + ".log", "a") as log:
         p = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -290,11 +284,6 @@ def proxy(a):
         branch(a, a.seed, f"{'softlr' if b == 'soft' else b}_s{a.seed}", [f"--hard_ft_routers={b}"])
 
 
-MECHANISM = {"soft": "paper: soft training only", "train": "last 15% ST, routers train",
-             "frozen": "last 15% ST, routers frozen", "calibrate": "last 15% ST, routers calibrated, then frozen",
-             "softlr": "control: soft training, the branches' lr schedule"}
-
-
 def finals(root, names):
     """name -> (kind, seed, its eval lines) of each finished run <kind>_s<seed>."""
     return {d: (*d.rpartition("_s")[::2], evals(os.path.join(root, d))) for d in names}
@@ -324,9 +313,8 @@ def proxy_table(a):
 
 def curve(a):
     """Per seed and share S, the branch calibrated to exec_share S, into share<S>_s<seed>."""
-    for s in a.seeds:
-        for share in a.shares:
-            branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
+    for s, share in itertools.product(a.seeds, a.shares):
+        branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
 
 
 def setting(run):
@@ -432,12 +420,11 @@ def main(argv=None):
     p.add_argument("--png", help="curve-table: also draw the curve into this PNG (needs matplotlib)")
     a = p.parse_args(argv)
     a.out = a.out or {"study": "out/tsa", "budget": "out/tsa_budget"}.get(a.cmd, "out/tsa_proxy")
-    a.records = a.root = a.paths[0] if a.paths else "out/tsa_proxy"
-    if a.cmd in ("budget", "proxy") and a.seed is None:
-        p.error(f"{a.cmd} needs --seed")
-    if a.cmd in ("table", "eval") and not a.paths:
-        p.error(f"{a.cmd} needs " + ("a records file, e.g. results/tsa_small.jsonl" if a.cmd == "table" else
-                                     "run dirs and --out F.jsonl"))
+    a.root = a.paths[0] if a.paths else "out/tsa_proxy"
+    needs = {"budget": "--seed", "proxy": "--seed", "table": "a records file, e.g. results/tsa_small.jsonl",
+             "eval": "run dirs and --out F.jsonl"}.get(a.cmd)
+    if needs and not (a.paths if a.cmd in ("table", "eval") else a.seed is not None):
+        p.error(f"{a.cmd} needs {needs}")
     if a.cmd == "eval" and not a.out.endswith(".jsonl"):
         p.error("eval writes its records to --out F.jsonl")
     compare.entry(COMMANDS[a.cmd], a)
