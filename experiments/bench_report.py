@@ -8,42 +8,26 @@ FLOPs-ideal speedup); the graph counts per model and path; the rows skipped or f
 """
 import json
 
-from compare import entry, md_table, parser
-
+from compare import check_rows, entry, md_table, parser
 
 # the keys each kind of row must have for its table
-NEEDS = {"timed": ("suite", "what", "B", "T", "device", "dtype"),
-         "graphs": ("suite", "path", "n_layer"), "skipped": ("what", "group"),
-         "failed": ("what", "group")}
+NEEDS = {"timed": ("suite", "what", "B", "T", "device", "dtype"), "graphs": ("suite", "path", "n_layer"),
+         "skipped": ("what", "group"), "failed": ("what", "group")}
 
 
 def is_timed(r):
     return "speedup" in r or "speed_ratio_ours_vs_plain" in r
 
 
-def bench_rows(path):
-    """Rule: a file read from outside is validated before use. A bench.py --json file -> (the run,
-    its rows), each row an object with the keys its table reads (NEEDS)."""
-    try:
-        run = json.load(open(path))
-        rows = run["rows"]
-        if not isinstance(rows, list):
-            raise TypeError(f"rows is a {type(rows).__name__}")
-    except (ValueError, KeyError, TypeError) as e:  # an unreadable file: entry's OSError line
-        raise ValueError(f"{path}: not a bench.py --json file ({type(e).__name__}: {e})")
-    for i, r in enumerate(rows, 1):
-        kind = ("timed" if isinstance(r, dict) and is_timed(r) else
-                r.get("what") if isinstance(r, dict) else None)
-        missing = [k for k in NEEDS.get(kind, ()) if k not in r]
-        if not isinstance(r, dict) or missing:
-            raise ValueError(f"{path}: row {i} is not a bench.py row ("
-                             + (f"no {', '.join(missing)}" if missing else "not an object")
-                             + "); pass the file bench.py --json wrote")
-    return run, rows
-
-
 def report(path):
-    run, rows = bench_rows(path)
+    try:  # an unreadable file: entry's OSError line
+        run = json.load(open(path))
+        if not isinstance(run["rows"], list):
+            raise TypeError(f"rows is a {type(run['rows']).__name__}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a bench.py --json file ({type(e).__name__}: {e})")
+    rows = check_rows(path, run["rows"], "row", "a bench.py row", "pass the file bench.py --json wrote",
+                      lambda r: NEEDS.get("timed" if is_timed(r) else r.get("what"), ()))
     if not rows:
         return 0
     print(f"{path}: `python {' '.join(run.get('argv', []))}`, torch {run.get('torch')}, commit "

@@ -55,10 +55,7 @@ RUNS = {  # name -> (model, flags): dense line first, then two operating points 
 }
 SEEDS = (1, 2)
 QUICK = dict(max_iters=6, eval_interval=6, eval_iters=2, warmup_iters=2)  # --quick: a smoke run of the pipeline
-
-
-def run_dir(out, name, seed):
-    return os.path.join(out, f"{name}-s{seed}")
+run_dir = lambda out, name, seed: os.path.join(out, f"{name}-s{seed}")  # noqa: E731
 
 
 def parent(name):
@@ -114,6 +111,14 @@ def load(d, block_size=None, device="cpu"):
     return model.to(device).eval(), cfg, module
 
 
+def val_eval(model, cfg, device="cpu", **kw):
+    """common.estimate_loss on cfg's fixed val batches (kw: sparse=True, the sparse path)."""
+    import common
+    import torch
+    val, meta = common.load_split(cfg.dataset, "val", cfg.data_dir), common.load_meta(cfg.dataset, cfg.data_dir)
+    return common.estimate_loss(model, val, meta, cfg, torch.device(device), "val", **kw)
+
+
 def inference_flops(model_name, module, cfg, ev, T):
     """Forward FLOPs per token of the model's sparse inference path, hard decisions measured on val."""
     import common
@@ -122,8 +127,7 @@ def inference_flops(model_name, module, cfg, ev, T):
     if model_name == "tsa":
         return module.flops_per_token(cfg, T, ev["alpha_hard"], mode="query")
     if model_name == "dtrnet":
-        rho = [ev[f"frac_l{i}"] for i, c in enumerate(cfg.pattern) if c == "D"]
-        return module.flops_per_token(cfg, T, rho)
+        return module.flops_per_token(cfg, T, [ev[f"frac_l{i}"] for i, c in enumerate(cfg.pattern) if c == "D"])
     if model_name == "conddepth":
         ffn = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd)
         per_layer = module.infer_vs_full(dataclasses.replace(cfg, rho=ev["full_ratio"])) * ffn
@@ -133,8 +137,7 @@ def inference_flops(model_name, module, cfg, ev, T):
         soft = 1 - statistics.mean(ev[k] for k in routed) if routed else 0.0
         return module.flops_per_token(cfg, T, soft, sparse=True)
     if model_name == "mod":
-        rho = [1 - ev[f"skip_l{i}"] for i, c in enumerate(cfg.pattern) if c == "R"]
-        return module.flops_per_token(cfg, T, rho)
+        return module.flops_per_token(cfg, T, [1 - ev[f"skip_l{i}"] for i, c in enumerate(cfg.pattern) if c == "R"])
     raise ValueError(model_name)
 
 
@@ -146,8 +149,7 @@ def memory_bytes(model_name, cfg, ev, T=1024, bytes_per=4):
     if model_name == "mod":
         return kv * sum(1 - ev[f"skip_l{i}"] if k == "R" else 1 for i, k in enumerate(cfg.pattern))
     if model_name == "hybrid":
-        H, K = cfg.n_head, cfg.head_k
-        V = cfg.gdn_expand_v * K
+        H, K, V = cfg.n_head, cfg.head_k, cfg.gdn_expand_v * cfg.head_k
         gdn = (H * K * V + 3 * H * (2 * K + V)) * bytes_per  # recurrent state + conv tail (kernel 4)
         return sum(gdn if k == "G" else kv + (gdn if k == "R" else 0) for k in cfg.kinds)
     return cfg.n_layer * kv
@@ -160,9 +162,7 @@ def measure(name, d, ref_dir, repeats, device):
     model_name = RUNS[name][0]
     model, cfg, module = load(d, device=device)
     ref, ref_cfg, _ = load(ref_dir, device=device)
-    meta = common.load_meta(cfg.dataset, cfg.data_dir)
-    val = common.load_split(cfg.dataset, "val", cfg.data_dir)
-    ev = common.estimate_loss(model, val, meta, cfg, device, "val")
+    val, ev = common.load_split(cfg.dataset, "val", cfg.data_dir), val_eval(model, cfg, device)
     T = cfg.block_size
     rec = {"run": name, "model": model_name, "seed": cfg.seed, "params": model.num_params(),
            "val_loss": ev["loss"], "val_bpc": ev.get("bpc"), "iters": cfg.max_iters,
@@ -210,8 +210,7 @@ def on_line(name, rs):
 
 
 def dense_line(groups):
-    mean = lambda rs, k: mean_sd([r[k] for r in rs])[0]  # noqa: E731
-    return sorted((mean(rs, "flops_ratio"), mean(rs, "val_loss"))
+    return sorted((mean_sd([r["flops_ratio"] for r in rs])[0], mean_sd([r["val_loss"] for r in rs])[0])
                   for name, rs in groups.items() if on_line(name, rs))
 
 
@@ -225,11 +224,8 @@ def dense_loss_at(line, flops):
 def verdict(loss, sd, line_loss):
     if line_loss is None:
         return "outside the dense range"
-    if loss + sd < line_loss:
-        return "beats the dense line"
-    if loss - sd > line_loss:
-        return "worse than the dense line"
-    return "on the dense line (within seed spread)"
+    return ("beats the dense line" if loss + sd < line_loss else "worse than the dense line" if loss - sd > line_loss
+            else "on the dense line (within seed spread)")
 
 
 def control_of(name):
@@ -254,11 +250,10 @@ def control_verdict(rs, controls):
 
 
 def table(records):
-    groups = group(records)
+    groups, rows = group(records), []
     line = dense_line(groups)
     fmt = lambda m, s, p=3: "–" if m is None else f"{m:.{p}f} ± {s:.{p}f}"
     col = lambda rs, k, p=2: fmt(*mean_sd([r.get(k) for r in rs]), p)
-    rows = []
     for name, rs in groups.items():
         loss, sd = mean_sd([r["val_loss"] for r in rs])
         flops = mean_sd([r["flops_ratio"] for r in rs])[0]
@@ -282,17 +277,14 @@ def table(records):
                            "speedup T=256", "speedup T=1024", "KV/state @1024", "train step ratio"])
 
 
-def write_section(md, key, text, title="# All four routers vs dense GPTs of matched cost\n"):
+def write_section(md, key, text):
     """Replace (or append) the page's section <!-- key --> ... <!-- /key -->, keeping the rest."""
-    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
-    page = open(md).read() if os.path.exists(md) else title
-    block = f"{start}\n{text.rstrip()}\n{end}\n"
-    if start in page:
-        head, rest = page.split(start, 1)
-        page = head + block + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        page = page.rstrip("\n") + "\n\n" + block
     import common
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    page = open(md).read() if os.path.exists(md) else "# All four routers vs dense GPTs of matched cost\n"
+    head, found, rest = page.partition(start)
+    block = f"{start}\n{text.rstrip()}\n{end}\n"
+    page = head + block + rest.split(end, 1)[1].lstrip("\n") if found else page.rstrip("\n") + "\n\n" + block
     common.atomic_write(md, lambda f: f.write(page.encode()))
 
 
@@ -371,38 +363,40 @@ def entry(main, *args):
 
 
 def finished(root, hint, models=None):
-    """(root, the names of its runs that finished, with a `done` file); none is a one-line error
-    saying how. models: the --model values the study trains; each run is checked (check_run)."""
+    """(root, the names of its runs that finished, with a `done` file); none is a one-line error saying how. Rule: a
+    run folder handed to a study is validated before use: a train.py run of one of models, with an eval line."""
     root = os.path.join(ROOT, root)
     runs = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "done"))) \
         if os.path.isdir(root) else []
     if not runs:
         raise ValueError(f"no finished runs in {root}: {hint}")
-    for d in runs if models else ():
-        check_run(os.path.join(root, d), models, hint)
+    for run in [os.path.join(root, d) for d in runs] if models else ():
+        try:
+            model, last = json.load(open(os.path.join(run, "config.json")))["model"], evals(run)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{run} is not a train.py run ({type(e).__name__}: {e}); {hint}")
+        if model not in models:
+            raise ValueError(f"{run} is a --model {model} run; this study's runs are "
+                             f"{', '.join(sorted(models))}: pass the --out it trained into, or {hint}")
+        if not last:
+            raise ValueError(f"{run}/metrics.jsonl has no eval line: the run did not finish; {hint}")
     return root, runs
 
 
-def check_run(run, models, hint):
-    """Rule: a run folder handed to a study is validated before use: a train.py run (config.json)
-    of one of the study's models, with an eval line in its metrics.jsonl; else one line naming the
-    folder and the fix."""
-    try:
-        model = json.load(open(os.path.join(run, "config.json")))["model"]
-        recs = map(json.loads, open(os.path.join(run, "metrics.jsonl")))
-        last = [r for r in recs if r.get("kind") == "eval"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{run} is not a train.py run ({type(e).__name__}: {e}); {hint}")
-    if model not in models:
-        raise ValueError(f"{run} is a --model {model} run; this study's runs are "
-                         f"{', '.join(sorted(models))}: pass the --out it trained into, or {hint}")
-    if not last:
-        raise ValueError(f"{run}/metrics.jsonl has no eval line: the run did not finish; {hint}")
+def check_rows(path, rows, where, what, fix, needs):
+    """Rule: a file read from outside is validated before use: each of its rows (JSON values) is an object with
+    the keys needs(row) names (what its tables read), else one line naming the file, the row and the fix."""
+    for i, r in enumerate(rows, 1):
+        missing = [k for k in needs(r) if k not in r] if isinstance(r, dict) else None
+        if missing != []:
+            why = f"no {', '.join(missing)}" if missing else "not an object"
+            raise ValueError(f"{path} {where} {i} is not {what} ({why}); {fix}")
+    return rows
 
 
-def study_cli(doc, commands, out, argv=None, p=None):
-    """A study script's command line, CMD [--out DIR] [--dry-run] (and p's options); runs CMD."""
-    p = p or parser(doc)
+def study_cli(doc, commands, out, argv=None):
+    """A study script's command line, CMD [--out DIR] [--dry-run]; runs CMD."""
+    p = parser(doc)
     p.add_argument("cmd", choices=list(commands))
     p.add_argument("--out", default=out, help="the runs' folder")
     p.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
@@ -412,8 +406,7 @@ def study_cli(doc, commands, out, argv=None, p=None):
 
 def evals(run, kind="eval"):
     """The `kind` lines of a train.py run's metrics.jsonl (the last eval line: the final model)."""
-    recs = map(json.loads, open(os.path.join(run, "metrics.jsonl")))
-    return [r for r in recs if r["kind"] == kind or not kind]
+    return [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if r["kind"] == kind or not kind]
 
 
 def main(argv=None):

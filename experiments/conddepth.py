@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from compare import ROOT, evals, load, md_table, study_cli, train_run
+from compare import ROOT, evals, load, md_table, study_cli, train_run, val_eval
 
 RECIPES = ["G1", "G3", "A1", "A2", "A3-G1", "A3-G3"]
 # 300 controller steps of 16 × 64 tokens (paper: 20k steps of 16 × 256); labels from step 20, every 5
@@ -54,13 +54,11 @@ def evaluate(run, out):
     paper's top-k: the training computation), dense and sparse; the eval curve; mean grad-norm."""
     import common
     import torch
-    model, cfg, _ = load(run)
-    meta, val = common.load_meta(cfg.dataset, cfg.data_dir), common.load_split(cfg.dataset, "val", cfg.data_dir)
-    final = {}
+    (model, cfg, _), final = load(run), {}
     for mode in ("causal", "topk"):
         model.mode = mode
         for sparse in (False, True):
-            ev = common.estimate_loss(model, val, meta, cfg, torch.device("cpu"), "val", sparse=sparse)
+            ev = val_eval(model, cfg, sparse=sparse)
             final[mode + ("_sparse" if sparse else "")], final[mode + "_full_ratio"] = ev["loss"], ev["full_ratio"]
             if mode == "causal" and not sparse:
                 final.update(soft=ev["soft_loss"], flops_saved_hard=ev["flops_saved_hard"])

@@ -8,7 +8,7 @@ The DTRNet reproduction of results/dtrnet.md: dense GPT vs DTRNet bilayer vs tri
 import json
 import os
 
-from compare import evals, finished, load, mean_sd, md_table, study_cli, train_run
+from compare import evals, finished, load, mean_sd, md_table, study_cli, train_run, val_eval
 
 FLAGS = ("--dataset=shakespeare --n_layer=7 --n_head=4 --n_embd=96 --block_size=256 --batch_size=12 --max_iters=600 "
          "--warmup_iters=50 --learning_rate=2e-3 --min_lr=1e-4 --eval_interval=600 --eval_iters=20 "
@@ -27,30 +27,19 @@ def train(a):
             train_run(os.path.join(a.out, f"{name}_s{seed}"), [*FLAGS, *flags, f"--seed={seed}"], dry=a.dry_run)
 
 
-def sparse_val(run):
-    """The val loss of the trained model's real sparse path (model(idx, sparse=True)) on the eval batches."""
-    import common
-    import torch
-    model, cfg, _ = load(run)
-    val, meta = common.load_split(cfg.dataset, "val", cfg.data_dir), common.load_meta(cfg.dataset, cfg.data_dir)
-    return common.estimate_loss(model, val, meta, cfg, torch.device("cpu"), "val", sparse=True)["loss"]
-
-
 def table(a):
     hint = "train them with `python experiments/dtrnet.py train`"
     (root, names), rows, by = finished(a.out, hint, {"dtrnet", "gpt", "mod"}), [], {}
-    for d in names:
-        name, _, seed = d.rpartition("_s")
+    for run, (name, _, seed) in [(os.path.join(root, d), d.rpartition("_s")) for d in names]:
         if name not in RUNS or not seed.isdigit():
-            raise ValueError(f"{os.path.join(root, d)} is not one of this study's runs "
-                             f"({', '.join(RUNS)}, each _s<seed>); {hint}")
-        ev, model = evals(os.path.join(root, d))[-1], json.load(open(os.path.join(root, d, "config.json")))["model"]
+            raise ValueError(f"{run} is not one of this study's runs ({', '.join(RUNS)}, each _s<seed>); {hint}")
+        ev, model = evals(run)[-1], json.load(open(os.path.join(run, "config.json")))["model"]
         layers = " ".join(f"L{k[10:]}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith("val_frac_l"))
         frac = ev.get("val_frac_attn", 1 - ev.get("val_skipped", 0.0))  # MoD: the share run
         flops = ev.get("val_flops_ratio", 1.0)
         rows.append([name, seed, f"{ev['val_loss']:.4f}", f"{ev['val_acc']:.4f}", f"{frac:.3f}", layers or "-",
-                     f"{flops:.3f}", "-" if model not in ("dtrnet", "mod")
-                     else f"{sparse_val(os.path.join(root, d)):.4f}"])
+                     f"{flops:.3f}", "-" if model not in ("dtrnet", "mod")  # the real sparse path's val loss:
+                     else f"{val_eval(*load(run)[:2], sparse=True)['loss']:.4f}"])
         by.setdefault(name, []).append((ev["val_loss"], frac, flops))
     print(md_table(rows, ["run", "seed", "val loss", "val acc", "routed frac (mean D)", "per-D-layer routed frac",
                           "FLOPs ratio @256", "sparse-path val loss"]))

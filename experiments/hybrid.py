@@ -30,11 +30,10 @@ def train(a):
 
 def table(a):
     hint = "train them with `python experiments/hybrid.py train`"
-    (root, names), runs = finished(a.out, hint, {"hybrid"}), {}
+    (root, names), runs, rows = finished(a.out, hint, {"hybrid"}), {}, []
     for d in names:
         name, _, seed = d.rpartition("-s")
         runs.setdefault(name, {})[int(seed)] = evals(os.path.join(root, d), kind=None)
-    rows = []
     for name, seeds in runs.items():
         finals = [[r for r in recs if r["kind"] == "eval"][-1] for _, recs in sorted(seeds.items())]
         for seed, e in zip(sorted(seeds), finals):
@@ -43,8 +42,7 @@ def table(a):
                          fr("val_gdn_frac_l2"), f"{e.get('val_balance', float('nan')):.3f}", f"{e['time']:.0f}"])
         if len(finals) > 1:
             m, sd = mean_sd([e["val_loss"] for e in finals])
-            rows.append([f"**{name} mean ± sd**", f"{len(finals)} seeds", "",
-                         f"**{m:.4f} ± {sd:.4f}**", *[""] * 5])
+            rows.append([f"**{name} mean ± sd**", f"{len(finals)} seeds", "", f"**{m:.4f} ± {sd:.4f}**", *[""] * 5])
     print(md_table(rows, ["run", "seed", "steps", "val loss (final)", "val acc", "L1 GDN %", "L2 GDN %", "balance",
                           "train time s"]))
     print("\nGDN share over training (eval-mode argmax on the fixed val batches, `step: L1/L2` in %):\n")

@@ -10,6 +10,7 @@ A finished run (a `done` file) is skipped, a killed one resumes (train.py --resu
 record is written to results/scale[_smoke]/<run>.json as it finishes. --smoke: the preset's model
 (12 × 768, block 1024, micro-batches of 16) for 24 steps of 2 micro-batches, eager, a small eval.
 """
+import dataclasses
 import json
 import os
 import statistics
@@ -49,8 +50,6 @@ def record(run, model, a):
 def computed(model, a):
     """The gpu preset's time on one H100/H200 at MFU of 989 TFLOP/s bf16, and its memory by
     train.check_fits' estimate (fp32 activations: an upper bound under bf16): computed."""
-    import dataclasses
-
     import torch
 
     import train
@@ -76,8 +75,8 @@ def main(argv=None):
     p.add_argument("--results", help="the records' folder (default results/scale[_smoke])")
     p.add_argument("--dry-run", action="store_true", help="print the commands and the computed "
                    "time and memory of each model")
-    p.add_argument("--override", type=lambda t: dict(kv.split("=", 1) for kv in t.split(",")),
-                   default={}, help="k=v,... train.py values over the preset's (a tiny size)")
+    p.add_argument("--override", type=lambda t: dict(kv.split("=", 1) for kv in t.split(",")), default={},
+                   help="k=v,... train.py values over the preset's (a tiny size)")
     a = p.parse_args(argv)
     a.argv = " ".join(sys.argv[1:] if argv is None else argv)
     entry(run, a)

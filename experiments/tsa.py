@@ -38,6 +38,26 @@ PROXY = (f"--model=tsa --dataset=shakespeare --preset=paper --n_layer=4 --n_head
 DENSE = (f"--model=gpt --dataset=shakespeare --n_layer=4 --n_head=4 --n_embd=128 --max_iters={N} --batch_size=64 "
          "--block_size=128 --warmup_iters=0 --beta2=0.95 --weight_decay=0.1 --eval_interval=236 --eval_iters=20 "
          "--log_interval=100").split()  # the proxy's size, budget, optimiser and evals, as a dense GPT
+# the tables: the `study` / `budget` settings by run-name prefix, the proxy's runs by kind
+GROUPS = {"P_": "paper token budget (6×64, 5000 × 64 × 128 = 41M tokens)",
+          "D_": "default preset (6×192, 2250 × 16 × 128 = 4.6M tokens)",
+          "": "Shakespeare char, 4×128, 600 × 16 × 128 = 1.2M tokens",
+          "long_": "Shakespeare char, 4×128, 1500 × 16 × 128 = 3.1M tokens"}
+MECHANISM = {"soft": "paper: soft training only", "train": "last 15% ST, routers train",
+             "frozen": "last 15% ST, routers frozen", "calibrate": "last 15% ST, routers calibrated, then frozen",
+             "softlr": "control: soft training, the branches' lr schedule"}
+# the keys the tables read from an `eval` record, per kind (evaluate writes them)
+RECORD_KEYS = {"gpt": ("run", "seed", "val_loss"), "early_exit": ("run", "seed", "sweep"),
+               "tsa": ("run", "seed", "lam", "soft_loss", "alpha", "tlops_saved", "alpha_hard", "tlops_saved_hard",
+                       "hard_loss_01", "hard_loss_scaled", "active", "hard_active", "sparse_maxdiff_ffn",
+                       "sparse_maxdiff_query", "sparse_loss")}
+# the tables' number formats: a value, its change against d, an α with the TLOps it saves
+f4 = lambda v, n=4: f"{v:.{n}f}"  # noqa: E731
+pct = lambda v, d: f"{f4(v)} ({100 * (v / d - 1):+.2f}%)"  # noqa: E731
+saved = lambda r, k: f"{f4(r['alpha' + k], 3)} ({100 * r['tlops_saved' + k]:.1f}%)"  # noqa: E731
+# the early-exit val loss at α, linear between the two nearest points of its threshold sweep
+interp = lambda sweep, alpha: compare.dense_loss_at(  # noqa: E731
+    sorted((r["alpha"], r["val_loss"]) for r in sweep), alpha) or float("nan")
 
 
 def run(out, name, flags, a):
@@ -96,11 +116,10 @@ def record(run, out, eval_iters, eval_seed=None):
     import tsa
     dev, (model, cfg, _) = torch.device("cpu"), compare.load(run)
     it = evals(run)[-1]["step"]  # the final checkpoint's iteration
-    train_seed = cfg.seed
     cfg = dataclasses.replace(cfg, eval_iters=eval_iters, seed=cfg.seed if eval_seed is None else eval_seed)
     meta, val = common.load_meta(cfg.dataset, cfg.data_dir), common.load_split(cfg.dataset, "val", cfg.data_dir)
-    rec = {"run": run, "model": cfg.model, "iter": it, "seed": train_seed, "eval_seed": cfg.seed,
-           "dataset": cfg.dataset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+    rec = {"run": run, "model": cfg.model, "iter": it, "seed": model.cfg.seed,  # model.cfg: the run's, cfg: the eval's
+           "eval_seed": cfg.seed, "dataset": cfg.dataset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
            "tokens": it * cfg.batch_size * cfg.block_size}
     if cfg.model == "gpt":
         ev = common.estimate_loss(model, val, meta, cfg, dev)
@@ -134,24 +153,9 @@ def record(run, out, eval_iters, eval_seed=None):
         f.write(json.dumps(rec) + "\n")
 
 
-# the tables' number formats: a value, its change against d, an α with the TLOps it saves
-f4 = lambda v, n=4: f"{v:.{n}f}"  # noqa: E731
-pct = lambda v, d: f"{f4(v)} ({100 * (v / d - 1):+.2f}%)"  # noqa: E731
-saved = lambda r, k: f"{f4(r['alpha' + k], 3)} ({100 * r['tlops_saved' + k]:.1f}%)"  # noqa: E731
-# the early-exit val loss at α, linear between the two nearest points of its threshold sweep
-interp = lambda sweep, alpha: compare.dense_loss_at(  # noqa: E731
-    sorted((r["alpha"], r["val_loss"]) for r in sweep), alpha) or float("nan")
-
-
 def mean_sd(xs, n=4, sign=""):
     m, sd = compare.mean_sd(xs)
     return f"{m:{sign}.{n}f} ± {sd:.{n}f}" if len(xs) > 1 else f"{m:{sign}.{n}f}"
-
-
-GROUPS = {"P_": "paper token budget (6×64, 5000 × 64 × 128 = 41M tokens)",
-          "D_": "default preset (6×192, 2250 × 16 × 128 = 4.6M tokens)",
-          "": "Shakespeare char, 4×128, 600 × 16 × 128 = 1.2M tokens",
-          "long_": "Shakespeare char, 4×128, 1500 × 16 × 128 = 3.1M tokens"}
 
 
 def vs_dense(recs, pre, title):
@@ -176,38 +180,23 @@ def vs_dense(recs, pre, title):
         "hard α (saved)"])] if tsa else []
 
 
-# the keys the tables read from an `eval` record, per kind (evaluate writes them)
-RECORD_KEYS = {"gpt": ("run", "seed", "val_loss"), "early_exit": ("run", "seed", "sweep"),
-               "tsa": ("run", "seed", "lam", "soft_loss", "alpha", "tlops_saved", "alpha_hard",
-                       "tlops_saved_hard", "hard_loss_01", "hard_loss_scaled", "active",
-                       "hard_active", "sparse_maxdiff_ffn", "sparse_maxdiff_query", "sparse_loss")}
-
-
-def eval_records(path):
-    """Rule: a file read from outside is validated before use. A records file (JSON lines written
-    by `eval`) -> {run name: record}; a line that is not such a record is one line naming it."""
-    recs = {}
-    for i, line in enumerate(open(path), 1):
-        try:
-            r = json.loads(line)
-        except ValueError:
-            r = None
-        kind = r.get("variant", r.get("model")) if isinstance(r, dict) else None
-        missing = [k for k in RECORD_KEYS.get(kind, ("model",))
-                   if not isinstance(r, dict) or k not in r]
-        if missing or not isinstance(r.get("run"), str):
-            raise ValueError(f"{path} line {i} is not an `eval` record (no "
-                             f"{', '.join(missing or ['run'])}): write them with "
-                             "`python experiments/tsa.py eval`")
-        recs[os.path.basename(r["run"])] = r
-    return recs
+def parse(line):
+    """A records file's line to check: not JSON, no object; a run that is not a path, no run."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return None
+    return {k: v for k, v in r.items() if k != "run" or isinstance(v, str)} if isinstance(r, dict) else r
 
 
 def table(a):
     """The tables of results/tsa.md's `study` and `budget` sections from `eval` records (JSON lines)."""
-    recs = eval_records(a.records)
+    rows = compare.check_rows(a.root, [parse(l) for l in open(a.root)], "line", "an `eval` record",
+                              "write them with `python experiments/tsa.py eval`",
+                              lambda r: RECORD_KEYS.get(r.get("variant", r.get("model")), ("model",)))
+    recs = {os.path.basename(r["run"]): r for r in rows}
     if not recs:
-        raise ValueError(f"no records in {a.records}: write them with `python experiments/tsa.py eval`")
+        raise ValueError(f"no records in {a.root}: write them with `python experiments/tsa.py eval`")
     tsa = {k: r for k, r in recs.items() if r.get("variant") == "tsa"}
     out = [line for pre, title in GROUPS.items() for line in vs_dense(recs, pre, title)]
     for pre, start in (("P_", "lam0.001"), ("D_", "lam0.001"), ("", "lam0.05")):  # continued straight-through
@@ -230,19 +219,17 @@ def table(a):
           f"{f4(r['hard_loss_scaled'])} (scaled)"] for k, r in tsa.items()],
         ["run", "max abs logit diff sparse(FFN) vs eval", "sparse(FFN+query) vs eval", "sparse val loss",
          "eval val loss"])]
-    for k, r in recs.items():
-        if r.get("variant") == "early_exit":
-            out += [f"#### Early exit ({k}): threshold sweep", "", md_table(
-                [[s["threshold"], f4(s["alpha"], 3), f"{100 * s['tlops_saved']:.1f}%", f4(s["val_loss"])]
-                 for s in r["sweep"]],
-                ["threshold", "α", "TLOps saved", "val loss"]),
-                "TSA vs early exit at matched α (early-exit loss interpolated between sweep points; same seed):", "",
-                md_table([[q, f4(t["alpha_hard"], 3), f4(min(t["hard_loss_01"], t["hard_loss_scaled"])),
-                           f4(interp(r["sweep"], t["alpha_hard"])), f4(t["alpha"], 3), f4(t["soft_loss"]),
-                           f4(interp(r["sweep"], t["alpha"]))]
-                          for q, t in tsa.items() if t["seed"] == r["seed"] and t["dataset"] == "shakespeare"],
-                         ["TSA run", "TSA hard α", "TSA hard val (best variant)", "early exit val at that α",
-                          "TSA soft α", "TSA soft val", "early exit val at soft α"])]
+    for k, r in [(k, r) for k, r in recs.items() if r.get("variant") == "early_exit"]:
+        out += [f"#### Early exit ({k}): threshold sweep", "", md_table(
+            [[s["threshold"], f4(s["alpha"], 3), f"{100 * s['tlops_saved']:.1f}%", f4(s["val_loss"])]
+             for s in r["sweep"]], ["threshold", "α", "TLOps saved", "val loss"]),
+            "TSA vs early exit at matched α (early-exit loss interpolated between sweep points; same seed):", "",
+            md_table([[q, f4(t["alpha_hard"], 3), f4(min(t["hard_loss_01"], t["hard_loss_scaled"])),
+                       f4(interp(r["sweep"], t["alpha_hard"])), f4(t["alpha"], 3), f4(t["soft_loss"]),
+                       f4(interp(r["sweep"], t["alpha"]))]
+                      for q, t in tsa.items() if t["seed"] == r["seed"] and t["dataset"] == "shakespeare"],
+                     ["TSA run", "TSA hard α", "TSA hard val (best variant)", "early exit val at that α",
+                      "TSA soft α", "TSA soft val", "early exit val at soft α"])]
     tasks = [r for r in recs.values() if r["dataset"] in ("copy", "sort")]
     rows = [[r["dataset"], "dense", f4(r["acc"]), 1, 0, 1] if r["model"] == "gpt" else
             [r["dataset"], f"TSA λ={r['lam']}", f4(r["acc_scaled"]), f4(r["alpha"], 3),
@@ -255,7 +242,7 @@ def table(a):
 def snapshot(a, s):
     """The soft recipe to N iterations (soft_sS); its step-AT checkpoint copied to snap708_sS."""
     base, snap = os.path.join(ROOT, a.out, f"soft_s{s}"), os.path.join(ROOT, a.out, f"snap{AT}_s{s}")
-    flags = [*PROXY, f"--seed={s}", SOFT]
+    flags, ckpt = [*PROXY, f"--seed={s}", SOFT], os.path.join(base, "ckpt.pt")
     if a.dry_run:
         return train_run(f"{a.out}/soft_s{s}", flags, dry=True)
     if os.path.exists(os.path.join(base, "done")) and os.path.exists(os.path.join(snap, "ckpt.pt")):
@@ -263,9 +250,7 @@ def snapshot(a, s):
     import common
     import train
     os.makedirs(base, exist_ok=True)
-    ckpt = os.path.join(base, "ckpt.pt")
-    resume = os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] < AT
-    # past AT without its snapshot: start over
+    resume = os.path.exists(ckpt) and common.load_checkpoint(ckpt)["iter"] < AT  # past AT without its snapshot: anew
     flags += [f"--out_dir={a.out}/soft_s{s}", "--resume" if resume else "--overwrite"]
     with open(base + ".log", "a") as log:
         p = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -299,33 +284,25 @@ def proxy(a):
         branch(a, a.seed, f"{'softlr' if b == 'soft' else b}_s{a.seed}", [f"--hard_ft_routers={b}"])
 
 
-MECHANISM = {"soft": "paper: soft training only", "train": "last 15% ST, routers train",
-             "frozen": "last 15% ST, routers frozen", "calibrate": "last 15% ST, routers calibrated, then frozen",
-             "softlr": "control: soft training, the branches' lr schedule"}
+def finals(root, names):
+    """name -> (kind, seed, its eval lines) of each finished run <kind>_s<seed>."""
+    return {d: (*d.rpartition("_s")[::2], evals(os.path.join(root, d))) for d in names}
 
 
-def references(root, names):
+def references(runs):
     """seed -> final soft val of the paper's soft-only run (soft_sS) and of the control (softlr_sS)."""
-    refs = {"soft": {}, "softlr": {}}
-    for d in names:
-        kind, _, seed = d.rpartition("_s")
-        if kind in refs:
-            refs[kind][seed] = evals(os.path.join(root, d))[-1]["val_soft_loss"]
-    return refs
+    return {k: {s: ev[-1]["val_soft_loss"] for kind, s, ev in runs.values() if kind == k} for k in ("soft", "softlr")}
 
 
 def proxy_table(a):
     """Per proxy run: best and last val (hard "01" gates), soft val, hard vs the references."""
-    (root, names), rows = compare.finished(a.root, "train them with `python experiments/tsa.py proxy --seed S`"), []
-    refs = references(root, names)
-    for d in names:
-        kind, _, seed = d.rpartition("_s")
+    runs, rows = finals(*compare.finished(a.root, "train them with `python experiments/tsa.py proxy --seed S`")), []
+    for d, (kind, seed, ev) in runs.items():
         if kind not in MECHANISM:
             continue
-        ev = evals(os.path.join(root, d))
         best, last = min(ev, key=lambda r: r["val_loss"]), ev[-1]
         skips = " / ".join(f"{v:.0%}" for k, v in sorted(last.items()) if k.startswith("val_skip_l"))
-        rel = [f"{last['val_loss'] / r[seed] - 1:+.2%}" if seed in r else "–" for r in refs.values()]
+        rel = [f"{last['val_loss'] / r[seed] - 1:+.2%}" if seed in r else "–" for r in references(runs).values()]
         rows.append([d, MECHANISM[kind], f"{best['val_loss']:.4f} @ {best['step']}", f4(last["val_loss"]),
                      f4(last["val_soft_loss"]), f"{last['val_loss'] / last['val_soft_loss'] - 1:+.2%}", *rel,
                      f"{last['val_skipped']:.1%} ({skips})", last["step"]])
@@ -336,36 +313,26 @@ def proxy_table(a):
 
 def curve(a):
     """Per seed and share S, the branch calibrated to exec_share S, into share<S>_s<seed>."""
-    for s in a.seeds:
-        for share in a.shares:
-            branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
+    for s, share in itertools.product(a.seeds, a.shares):
+        branch(a, s, f"share{share}_s{s}", ["--hard_ft_routers=calibrate", f"--exec_share={share}"])
 
 
 def setting(run):
     """A run's (dropout, peak lr), from its config.json."""
-    cfg = json.load(open(os.path.join(run, "config.json")))
-    return cfg["dropout"], cfg["learning_rate"]
-
-
-def dense_runs(root, names):
-    """The finished dense_*_sS runs (grid --model gpt): {(dropout, lr): {seed: final val loss}}."""
-    by = {}
-    for d in [d for d in names if d.startswith("dense_")]:
-        run = os.path.join(root, d)
-        by.setdefault(setting(run), {})[d.rpartition("_s")[2]] = evals(run)[-1]["val_loss"]
-    return by
+    return tuple(json.load(open(os.path.join(run, "config.json")))[k] for k in ("dropout", "learning_rate"))
 
 
 def curve_table(a):
     """One row per share (mean ± sd over seeds), the dense GPTs, TSA's grid runs; --png: a plot."""
-    (root, names), by = compare.finished(a.root, "train them with `python experiments/tsa.py curve` and `grid`"), {}
-    refs, dense = references(root, names), dense_runs(root, names)  # setting -> {seed: val}
-    best = min(dense, key=lambda k: compare.mean_sd(list(dense[k].values()))[0]) if dense else None
-    refs["dense"] = dense.get(best, {})
-    for d in names:
-        kind, _, seed = d.rpartition("_s")
+    root, names = compare.finished(a.root, "train them with `python experiments/tsa.py curve` and `grid`")
+    ran, by, dense = finals(root, names), {}, {}  # share -> [(seed, final eval)]; (dropout, lr) -> {seed: val}
+    for d, (kind, seed, ev) in ran.items():
         if kind.startswith("share"):
-            by.setdefault(float(kind[5:]), []).append((seed, evals(os.path.join(root, d))[-1]))
+            by.setdefault(float(kind[5:]), []).append((seed, ev[-1]))
+        elif kind.startswith("dense_"):  # grid --model gpt
+            dense.setdefault(setting(os.path.join(root, d)), {})[seed] = ev[-1]["val_loss"]
+    best = min(dense, key=lambda k: compare.mean_sd(list(dense[k].values()))[0]) if dense else None
+    refs = {**references(ran), "dense": dense.get(best, {})}
     rows, pc = [], lambda xs, n=2, sign="+": mean_sd([100 * x for x in xs], n, sign) + "%"
     for share, runs in sorted(by.items()):
         seeds, v = [s for s, _ in runs], lambda k: [e[k] for _, e in runs]
@@ -382,8 +349,8 @@ def curve_table(a):
     print(f"best dense GPT: dropout {best[0]}, lr {best[1]:g}\n" if best else "")
     rows, points = [], []  # TSA's whole recipe at other settings (`grid --model tsa`)
     for d in [d for d in names if d.startswith("tsa_")]:
-        e, seed, (do, lr) = evals(os.path.join(root, d))[-1], d.rpartition("_s")[2], setting(os.path.join(root, d))
-        same = dense.get((do, lr), {})
+        (_, seed, ev), (do, lr) = ran[d], setting(os.path.join(root, d))
+        e, same = ev[-1], dense.get((do, lr), {})
         points.append((f"TSA's whole recipe at dropout {do}, lr {lr:g}", 100 * e["val_tlops_saved_hard"], e["val_loss"]))
         rows.append([d, f"dropout {do}, lr {lr:g}", f4(e["val_loss"]), f4(e["val_soft_loss"]),
                      f"{e['val_tlops_saved_hard']:.1%}", f"{e['val_loss'] / same[seed] - 1:+.2%}" if seed in same else "–",
@@ -415,9 +382,8 @@ def plot_curve(by, refs, points, path):
 
 
 def grid(a):
-    """At the proxy, per dropout × peak lr (min_lr = lr/10) and seed: the dense GPT
-    (dense_do<D>_lr<LR>_sS) or TSA's recipe per exec_share, its ST phase at that lr
-    (tsa_do<D>_lr<LR>_share<S>_sS)."""
+    """At the proxy, per dropout × peak lr (min_lr = lr/10) and seed: the dense GPT (dense_do<D>_lr<LR>_sS) or
+    TSA's recipe per exec_share, its ST phase at that lr (tsa_do<D>_lr<LR>_share<S>_sS)."""
     shares = a.shares if a.model == "tsa" else [""]
     for do, lr, s, S in itertools.product(a.dropouts, a.lrs, a.seeds, shares):
         flags = [f"--dropout={do}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}", f"--seed={s}"]
@@ -428,13 +394,9 @@ def grid(a):
                 *PROXY, *flags, f"--hard_ft_lr={lr}", f"--hard_ft_iters={N - AT}", f"--exec_share={S}"], dry=a.dry_run)
 
 
-def evaluate(a):
-    for run in a.paths:
-        record(run, a.out, a.eval_iters, a.eval_seed)
-
-
-COMMANDS = {"study": study, "budget": budget, "table": table, "eval": evaluate, "proxy": proxy,
-            "proxy-table": proxy_table, "curve": curve, "curve-table": curve_table, "grid": grid}
+COMMANDS = {"study": study, "budget": budget, "table": table,
+            "eval": lambda a: [record(run, a.out, a.eval_iters, a.eval_seed) for run in a.paths],
+            "proxy": proxy, "proxy-table": proxy_table, "curve": curve, "curve-table": curve_table, "grid": grid}
 
 
 def main(argv=None):
@@ -458,12 +420,11 @@ def main(argv=None):
     p.add_argument("--png", help="curve-table: also draw the curve into this PNG (needs matplotlib)")
     a = p.parse_args(argv)
     a.out = a.out or {"study": "out/tsa", "budget": "out/tsa_budget"}.get(a.cmd, "out/tsa_proxy")
-    a.records = a.root = a.paths[0] if a.paths else "out/tsa_proxy"
-    if a.cmd in ("budget", "proxy") and a.seed is None:
-        p.error(f"{a.cmd} needs --seed")
-    if a.cmd in ("table", "eval") and not a.paths:
-        p.error(f"{a.cmd} needs " + ("a records file, e.g. results/tsa_small.jsonl" if a.cmd == "table" else
-                                     "run dirs and --out F.jsonl"))
+    a.root = a.paths[0] if a.paths else "out/tsa_proxy"
+    needs = {"budget": "--seed", "proxy": "--seed", "table": "a records file, e.g. results/tsa_small.jsonl",
+             "eval": "run dirs and --out F.jsonl"}.get(a.cmd)
+    if needs and not (a.paths if a.cmd in ("table", "eval") else a.seed is not None):
+        p.error(f"{a.cmd} needs {needs}")
     if a.cmd == "eval" and not a.out.endswith(".jsonl"):
         p.error("eval writes its records to --out F.jsonl")
     compare.entry(COMMANDS[a.cmd], a)
