@@ -811,6 +811,22 @@ def test_show_and_duration_by_value():
         ["true", "false", "''", "'a b'", "3", "0", "0.5", "x"]
     assert [train._duration(s) for s in (-3, 0, 59.4, 59.6, 60, 61, 3725)] == \
         ["0s", "0s", "59s", "1m00s", "1m00s", "1m01s", "62m05s"]
+    assert [train.show(v) for v in ("XXXX", "-", "a.b")] == ["XXXX", "-", "a.b"]  # as they are
+
+
+def test_routing_colours_by_value(monkeypatch):
+    """Light blue (cheap) to dark orange (costly) in proportion; ANSI colour only on a TTY."""
+    assert [train._mix(a) for a in (0, 0.5, 1)] == [(214, 234, 248), (226, 186, 151),
+                                                    (239, 138, 54)]
+
+    class Model:
+        def routing_map(self, idx):  # (R, T) in [0, 1], row labels, legend
+            return torch.tensor([[0.0, 1.0]]), ["layer 1"], ("halted", "active")
+    meta = {"dataset": "shakespeare", "itos": ["a", "b"]}
+    for tty in (False, True):
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
+        text = train.picture(Model(), torch.tensor([[0, 1]]), meta, "t", None)
+        assert ("\x1b[" in text) == tty and ("'.'" in text) == (not tty), text
 
 
 def test_train_memory_by_value():
@@ -982,7 +998,8 @@ def test_resolve_takes_the_datas_vocabulary_and_record_length(capsys):
 def test_saved_config_is_the_runs_config_json_or_its_checkpoints_copy(tmp_path):
     out = tmp_path / "run"
     assert refused(train.saved_config, str(out)) == f"--resume: no {out / 'ckpt.pt'} to resume from"
-    out.mkdir()
+    out.mkdir()  # an empty folder: nothing was started there
+    assert refused(train.saved_config, str(out)) == f"--resume: no {out / 'ckpt.pt'} to resume from"
     (out / "metrics.jsonl").write_text("")
     assert refused(train.saved_config, str(out)) == (
         f"--resume: no {out / 'ckpt.pt'} to resume from; the run stopped before its first "
@@ -1022,6 +1039,9 @@ def test_resumed_values_keep_the_runs_values_but_for_what_may_change():
     assert err == ("--resume: --model asks for model=tsa but c.json has model=gpt; a resumed run "
                    "keeps its values: drop --model (may change: --" + ", --".join(train.MAY_CHANGE)
                    + ")")
+    err = refused(train.resumed_values, saved, "c.json",  # the data too, after the seed here
+                  {"seed": 2, "model": "gpt", "max_iters": 9, "dataset": "copy"}, {})
+    assert err.startswith("--resume: --dataset asks for dataset=copy but c.json has dataset=")
     err = refused(train.resumed_values, saved, "c.json", dict(values, seed=2), {})
     assert err.startswith("--resume: --seed asks for seed=2 but c.json has seed=1;")
 
