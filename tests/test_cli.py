@@ -934,6 +934,72 @@ def test_differences_names_what_a_checkpoint_and_the_run_disagree_on():
     assert train.differences({}, cfg) == ""
 
 
+def test_check_out_dir_refuses_by_value(tmp_path, monkeypatch):
+    """Each refusal's exact line, called directly: where out_dir is, what it holds, and a ckpt.pt
+    --resume cannot continue (no training state, other values, another process count, done)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    cfg = common.Config(out_dir=str(tmp_path / "run"), data_dir=str(data), max_iters=4)
+    out, path = tmp_path / "run", tmp_path / "run" / "ckpt.pt"
+    (tmp_path / "f").write_text("")
+    assert refused(train.check_out_dir, dataclasses.replace(cfg, out_dir=str(tmp_path / "f" / "r")),
+                   "new", 1) == f"--out_dir {tmp_path / 'f' / 'r'}: {tmp_path / 'f'} is a file, " \
+                                "not a directory"
+    assert refused(train.check_out_dir, dataclasses.replace(cfg, out_dir=str(data / "r")), "new",
+                   1) == f"--out_dir {data / 'r'} is inside --data_dir {data}, the prepared " \
+                         "data: choose another --out_dir"
+    out.mkdir()
+    assert refused(train.check_out_dir, cfg, "resume", 1) == f"--resume: no {path} to resume from"
+    (out / "metrics.jsonl").write_text("")
+    assert refused(train.check_out_dir, cfg, "new", 1) == (
+        f"{out} holds a run (metrics.jsonl): continue it with --resume, or start over with "
+        "--overwrite (removes it), or choose another --out_dir")
+    assert refused(train.check_out_dir, cfg, "resume", 1) == (
+        f"--resume: no {path} to resume from; the run stopped before its first checkpoint: start "
+        "it again with --overwrite")
+    state = dict(model={}, config=dataclasses.asdict(cfg), iter=2)
+    common.save_checkpoint(str(path), **state)
+    assert refused(train.check_out_dir, cfg, "resume", 1) == (
+        f"{path} has no training state (optimizer, best_val_loss, rng_cpu; a copy of best.pt?): "
+        "--resume needs the ckpt.pt a run writes; to train on from its weights, start a new run "
+        f"with --init_from={path}")
+    state.update(optimizer={}, best_val_loss=4.0, rng_cpu=[torch.get_rng_state()])
+    del state["config"]["eval_seed"]  # a field newer than the run: not compared
+    common.save_checkpoint(str(path), **state)
+    assert train.check_out_dir(cfg, "resume", 1)["iter"] == 2
+    assert refused(train.check_out_dir, dataclasses.replace(cfg, n_layer=3), "resume", 1) == (
+        f"checkpoint {path} has n_layer=6 but this run asks for n_layer=3; resume with the values "
+        f"it was trained with ({out / 'config.json'})")
+    assert refused(train.check_out_dir, cfg, "resume", 2) == (
+        f"{path} was written by 1 process(es), this run has 2: resume it with python train.py ...")
+    common.save_checkpoint(str(path), **dict(state, rng_cpu=[torch.get_rng_state()] * 2))
+    assert refused(train.check_out_dir, cfg, "resume", 1) == (
+        f"{path} was written by 2 process(es), this run has 1: resume it with torchrun "
+        "--nproc_per_node=2 train.py ...")
+    common.save_checkpoint(str(path), **dict(state, iter=4))
+    assert refused(train.check_out_dir, cfg, "resume", 1) == (
+        f"{path} is at step 4 and --max_iters=4: nothing left to train; give a --max_iters above "
+        "4 to train on")
+    monkeypatch.chdir(tmp_path)
+    assert train.check_writable("new_run") is None  # made under the current folder
+
+    def read_only(dir):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(train.tempfile, "TemporaryFile", read_only)
+    assert refused(train.check_writable, "new_run") == (
+        "--out_dir new_run: cannot write in . (Read-only file system)")
+
+
+def test_gather_rng_is_every_ranks_state(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+
+    def all_gather_object(out, obj):
+        out[:] = [(rank, obj) for rank in range(len(out))]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    assert train._gather_rng("s", True) == [(0, "s"), (1, "s")]
+    assert train._gather_rng("s", False) == ["s"]
+
+
 def test_read_metrics_drops_only_a_cut_last_line(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     assert train.read_metrics(str(path)) == []
@@ -943,6 +1009,11 @@ def test_read_metrics_drops_only_a_cut_last_line(tmp_path, capsys):
     assert train.read_metrics(str(path)) == [{"a": 1}, {"b": 2}]
     assert capsys.readouterr().out == (f"note: {path}: dropped its last line, cut short "
                                        "('{\"kind\": \"tr')\n")
+    path.write_text('{"a": 1}\n{"kind": "train", "step": 12, "loss": 4.1, "time": 0.')
+    assert train.read_metrics(str(path)) == [{"a": 1}]
+    assert capsys.readouterr().out == (  # its first 40 characters
+        f"note: {path}: dropped its last line, cut short ('{{\"kind\": \"train\", \"step\": 12, "
+        "\"loss\": 4.')\n")
     path.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
     assert refused(train.read_metrics, str(path)) == (f"{path}: line 2 is not JSON; fix or remove "
                                                       "that line")

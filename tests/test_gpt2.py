@@ -466,7 +466,8 @@ def test_start_from_refuses_by_value_before_reading_weights(tmp_path, monkeypatc
     assert cfg.vocab_size == 65 and cfg.n_layer == 1 and sd == {}
 
 
-def test_start_from_a_hub_name_reads_its_config_before_fetching_the_weights(tmp_path, monkeypatch):
+def test_start_from_a_hub_name_reads_its_config_before_fetching_the_weights(tmp_path, monkeypatch,
+                                                                           capsys):
     """A config refused (here: another vocabulary) costs no weights download; on a rank other
     than 0, both fetches wait for rank 0's verdict (a broadcast) and nothing is printed."""
     fetched = []
@@ -483,10 +484,30 @@ def test_start_from_a_hub_name_reads_its_config_before_fetching_the_weights(tmp_
     monkeypatch.setattr(torch.distributed, "broadcast_object_list",
                         lambda box, src: boxes.append((list(box), src)))
     folder = tiny_gpt2_folder(tmp_path / "local")
-    cfg = common.Config(init_from=folder, block_size=8, vocab_size=10)
+    cfg = common.Config(init_from=folder, block_size=4, vocab_size=10)
     cfg, sd = train.start_from(cfg, common, {"encoding": "r50k_base", "vocab_size": 10},
                                master=False, ddp=True)
     assert boxes == [([None], 0), ([None], 0)] and cfg.n_embd == 4 and "wte.weight" in sd
+    assert capsys.readouterr().out == ""  # rank 0 says what came from where
+
+
+def test_start_from_a_gpt2_folder_by_value(tmp_path, capsys):
+    """Its positions: all (no note), fewer (a note), more (refused); a vocab_size given is the
+    data's business (resolve), not a value the checkpoint refuses."""
+    folder = tiny_gpt2_folder(tmp_path / "hf")
+    bpe = {"encoding": "r50k_base", "vocab_size": 10}
+    cfg, sd = train.start_from(common.Config(init_from=folder, block_size=8, vocab_size=100),
+                               common, bpe)
+    assert cfg.vocab_size == 10 and cfg.block_size == 8 and sd["wpe.weight"].shape == (8, 4)
+    assert capsys.readouterr().out == (
+        f"from --init_from {folder}: vocab_size=10, n_layer=1, n_head=1, n_embd=4, bias=true, "
+        "gelu=tanh; the rest from this run's flags and defaults\n")
+    train.start_from(common.Config(init_from=folder, block_size=5), common, bpe)
+    assert capsys.readouterr().out.startswith(
+        f"note: block_size 5 keeps the first 5 of {folder}'s 8 positions (--block_size=8 for all "
+        "of them)\n")
+    assert start_refused(common.Config(init_from=folder, block_size=9), common, bpe) == (
+        f"--block_size=9 is longer than {folder}'s 8 positions")
 
 
 def test_gpt2_state_dict_maps_each_name_and_refuses_the_rest(tmp_path):
