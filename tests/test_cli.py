@@ -2,6 +2,7 @@
 traceback, nothing a run wrote is replaced without --overwrite, Ctrl-C says how to resume. One parametrised test
 per entry point holds its cases; subprocesses only where a real process is the point (signals, torchrun)."""
 import dataclasses
+import html
 import json
 import os
 import runpy
@@ -194,18 +195,39 @@ def test_train_py(case, runs, tmp_path, monkeypatch, capsys):
     assert not [f for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]  # nor leaves partial files
 
 
+SAMPLE_VALID = ("--sample, --prompt, --num_tokens, --temperature, --top_k, --dense, --compile, "
+                "--seed, --device")
+SAMPLE_LIMITS = "--num_tokens and --top_k must be >= 1 and --temperature >= 0"
+# (argv after --sample <the gpt run> ({runs}: the runs folder), the exact line after "error: ")
 SAMPLE_CASES = {
-    "nan temperature": (["--temperature", "nan"], "--temperature must be a finite number"),
-    "inf temperature": (["--temperature=inf"], "--temperature must be a finite number"),
-    "negative temperature": (["--temperature=-1"], "--temperature >= 0"),
-    "empty run dir": (["--sample="], "--sample has an empty value"),
-    "prompt twice": (["--prompt=a", "--prompt=b"], "--prompt is given twice"),
-    "meta device": (["--device=meta"], "got 'meta'"),
-    "zero tokens": (["--num_tokens=0"], "--num_tokens and --top_k must be >= 1"),
-    "copy prompt not numbers": (["--prompt=hello"], "a copy prompt is space-separated numbers"),
-    "a seed torch cannot take": (["--seed=18446744073709551616"], "--seed must be in 0..2**63-1"),
-    "compile and dense": (["--compile", "--dense"],
-                          "--compile compiles the cached decoding step, and --dense"),
+    "nan temperature": (["--temperature", "nan"],
+                        "--temperature must be a finite number, got 'nan'"),
+    "inf temperature": (["--temperature=inf"], "--temperature must be a finite number, got 'inf'"),
+    "negative temperature": (["--temperature=-1"], SAMPLE_LIMITS),
+    "empty run dir": (["--sample="],
+                      "--sample has an empty value; give a value or leave the flag out"),
+    "prompt twice": (["--prompt=a", "--prompt=b"], "--prompt is given twice; give each flag once"),
+    "meta device": (["--device=meta"], "device must be auto, cpu, cuda, cuda:N or mps, got 'meta'"),
+    "zero tokens": (["--num_tokens=0"], SAMPLE_LIMITS),
+    "zero top_k": (["--top_k=0"], SAMPLE_LIMITS),
+    "copy prompt not numbers": (["--prompt=hello"], "a copy prompt is space-separated numbers "
+                                "0..31 and [BOS]/[SEP]/[EOS], got 'hello'"),
+    "copy prompt empty": (["--prompt="], "--prompt is empty; a copy prompt needs at least one "
+                          "token (e.g. '[BOS] 3 1')"),
+    "a seed of 2**64": (["--seed=18446744073709551616"],
+                        "--seed must be in 0..2**63-1, got 18446744073709551616"),
+    "a seed of 2**63": (["--seed=9223372036854775808"],
+                        "--seed must be in 0..2**63-1, got 9223372036854775808"),
+    "a negative seed": (["--seed=-1"], "--seed must be in 0..2**63-1, got -1"),
+    "dense and a step to build": (["--compile", "--dense"],  # no "compile" in the id: it is fast
+                                  "--compile compiles the cached decoding step, and --dense "
+                                  "decodes without one: give one of them"),
+    "unknown option": (["--top_p=0.9"],
+                       f"unknown option --top_p with --sample; valid: {SAMPLE_VALID}"),
+    "no such run": (["--sample={runs}/none"], "--sample {runs}/none: no such run directory "
+                    "(train one with python train.py --model ...)"),
+    "a folder with no checkpoint": (["--sample={runs}/data"], "--sample {runs}/data: no best.pt or "
+                                    "ckpt.pt there (has the run reached its first eval?)"),
 }
 
 
@@ -213,18 +235,25 @@ SAMPLE_CASES = {
 def test_train_py_sample(case, runs, capsys):
     extra, message = SAMPLE_CASES[case]
     run = runs / ("copy" if case.startswith("copy") else "gpt")
+    extra = [a.replace("{runs}", str(runs)) for a in extra]
     given = {a.split("=")[0] for a in extra}
     argv = [a for a in ("--sample", str(run)) if "--sample" not in given] + extra
     capsys.readouterr()
-    assert message in one_error(capsys, lambda: train.main(argv))
+    err = one_error(capsys, lambda: train.main(argv))
+    assert err == "error: " + message.replace("{runs}", str(runs))
 
 
 def test_sample_copy_task_without_a_prompt_completes_a_held_out_record(runs, capsys):
     train.main(["--sample", str(runs / "copy"), "--device=cpu"])
     out = capsys.readouterr().out
-    assert "no --prompt: completing the first held-out record's source '[BOS]" in out
+    source = common.load_split("copy", "val", str(runs / "data"))[:common.TASK_LEN + 2]
+    line = "no --prompt: completing the first held-out record's source " \
+           f"{' '.join(['[BOS]', *map(str, source[1:-1]), '[SEP]'])!r}"
+    assert out.splitlines()[0] == line and source[0] == common.BOS and source[-1] == common.SEP
     sample = out.split("sample:\n")[1].split()
     assert sample[0] == "[BOS]" and sample[11] == "[SEP]" and len(sample) == 2 * common.TASK_LEN + 3
+    train.main(["--sample", str(runs / "copy"), "--num_tokens=3", "--device=cpu"])  # given: taken
+    assert len(capsys.readouterr().out.split("sample:\n")[1].split()) == common.TASK_LEN + 2 + 3
 
 
 def test_a_sample_cropped_to_the_context_says_so(runs, capsys):
@@ -235,6 +264,9 @@ def test_a_sample_cropped_to_the_context_says_so(runs, capsys):
            "it continues from the last 16" in out
     assert "KV-cached decoding" in out and out.split("sample:\n")[1].startswith(
         ("ROMEO: " * 4)[-16:])
+    train.main(["--sample", str(runs / "gpt"), "--prompt=" + ("ROMEO: " * 4)[-16:],
+                "--num_tokens=2", "--device=cpu"])  # exactly block_size tokens: all seen, no note
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_sample_in_a_read_only_run_prints_the_sample_then_warns(runs, monkeypatch, capsys):
@@ -243,6 +275,138 @@ def test_sample_in_a_read_only_run_prints_the_sample_then_warns(runs, monkeypatc
     out, err = capsys.readouterr()
     assert "sample:\nROMEO:" in out and "Traceback" not in err
     assert err.count("\n") == 1 and err.startswith("warning: could not write") and "sample_routing.html" in err
+    assert "\ntsa: routing of the sample's last 11 tokens   legend: " in out  # the picture, unsaved
+
+
+def test_sample_takes_the_boundary_values_and_an_empty_prompt_is_a_newline(runs, capsys):
+    """seed 0 and 2**63-1, one token, temperature 0, top_k 1 are accepted (the table above
+    refuses one past each); --prompt= continues a newline, as nanoGPT's sample.py."""
+    for seed in (0, 2 ** 63 - 1):
+        train.main(["--sample", str(runs / "gpt"), "--prompt=", f"--seed={seed}", "--num_tokens=1",
+                    "--temperature=0", "--top_k=1", "--device=cpu"])
+        out = capsys.readouterr().out
+        assert " 1 tokens in " in out and len(out.split("sample:\n")[1]) == 3  # "\n", one, "\n"
+        assert out.split("sample:\n")[1].startswith("\n")
+
+
+def sampled_checkpoint(runs, tmp_path, edit):
+    """A run folder holding only a ckpt.pt: the gpt run's, changed by edit(ckpt)."""
+    ckpt = common.load_checkpoint(str(runs / "gpt" / "ckpt.pt"))
+    edit(ckpt)
+    (tmp_path / "run").mkdir()
+    torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    return tmp_path / "run" / "ckpt.pt"
+
+
+# (edit of the checkpoint, the exact error line after "error: checkpoint {path}")
+CHECKPOINT_CASES = {
+    "unknown model": (lambda c: c["config"].update(model="mlp"), " names an unknown model 'mlp'"),
+    "unknown field": (lambda c: c["config"].update(top_p=0.9), " has a config this code does not "
+                      "know (Config.__init__() got an unexpected keyword argument 'top_p')"),
+    "weights of another model": (lambda c: c["model"].pop("wpe.weight"), "'s weights do not fit "
+                                 "its own config: Error(s) in loading state_dict for Model:"),
+}
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES)
+def test_sample_refuses_a_checkpoint_it_cannot_build(case, runs, tmp_path, capsys):
+    edit, message = CHECKPOINT_CASES[case]
+    path = sampled_checkpoint(runs, tmp_path, edit)
+    err = one_error(capsys, lambda: train.main(["--sample", str(path.parent), "--device=cpu"]))
+    assert err == f"error: checkpoint {path}{message}"
+
+
+def test_sample_of_a_checkpoint_without_a_val_loss_says_nan(runs, tmp_path, capsys):
+    """No best.pt: the ckpt.pt; a checkpoint without val_loss (written by hand) reads `val nan`."""
+    path = sampled_checkpoint(runs, tmp_path, lambda c: c.pop("val_loss"))
+    train.main(["--sample", str(path.parent), "--num_tokens=2", "--device=cpu"])
+    assert capsys.readouterr().out.startswith(f"gpt from {path} (step 4, val nan); 2 tokens in ")
+
+
+def test_sample_passes_its_flags_to_generate_and_says_what_ran(runs, tmp_path, monkeypatch,
+                                                                capsys):
+    """The values generate gets, and the line saying what ran: decoding (cached, routed, a
+    compiled step, or the whole window per token), the step, val loss, time and tokens/s."""
+    import inspect
+    calls, signature = [], inspect.signature(common.LM.generate)
+
+    def generate(self, *args, **kwargs):  # what it was asked; its tokens: newlines (id 0)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        calls.append({k: v for k, v in bound.arguments.items() if k not in ("self", "idx")})
+        return torch.cat([args[0], args[0].new_zeros(1, args[1])], 1)
+    monkeypatch.setattr(common.LM, "generate", generate)
+    clock = iter([100.0, 102.5])
+    monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
+    tsa = copy_run(runs, tmp_path, "tsa")
+    cases = [  # (run, flags, use_cache, compile, what ran)
+        (runs / "gpt", [], True, False, "KV-cached decoding"),
+        (runs / "gpt", ["--dense"], False, False,
+         "cache-free forward of the whole window per token"),
+        (runs / "gpt", ["--compile"], True, True,
+         "KV-cached decoding, compiled step (includes compile time)"),
+        (tsa, [], True, False, "KV-cached decoding, routed"),
+        (tsa, ["--compile"], True, True,
+         "KV-cached decoding, routed, compiled step (includes compile time)"),
+        (tsa, ["--dense"], False, False, "cache-free forward of the whole window per token"),
+    ]
+    for run, extra, use_cache, compiled, how in cases:
+        clock = iter([100.0, 102.5])
+        train.main(["--sample", str(run), "--prompt=ROMEO:", "--num_tokens=5", "--temperature=0.5",
+                    "--top_k=7", "--device=cpu", *extra])
+        assert calls.pop() == {"max_new_tokens": 5, "temperature": 0.5, "top_k": 7,
+                               "use_cache": use_cache, "compile": compiled}, extra
+        ckpt = common.load_checkpoint(str(run / "best.pt"))
+        out = capsys.readouterr().out.splitlines()
+        assert out[:3] == [f"{run.name} from {run / 'best.pt'} (step {ckpt['iter']}, val "
+                           f"{ckpt['val_loss']:.4f}); 5 tokens in 2.50s (2 tok/s, {how})",
+                           "sample:", "ROMEO:"]
+
+
+def test_the_sample_is_flushed_before_the_routing_picture(runs, tmp_path, monkeypatch):
+    """The sample first: a picture that never ends (a kill, a crash) loses nothing."""
+    import io
+
+    class Stdout(io.StringIO):
+        flushed = ""
+
+        def flush(self):
+            self.flushed = self.getvalue()
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    seen = []
+    monkeypatch.setattr(train, "picture", lambda *a: seen.append(sys.stdout.flushed) or "picture")
+    train.main(["--sample", str(copy_run(runs, tmp_path, "tsa")), "--prompt=ROMEO:",
+                "--num_tokens=3", "--device=cpu"])
+    assert len(seen) == 1 and seen[0].endswith("sample:\nROMEO:" + seen[0][-4:])
+    assert seen[0].count("\n") == 3 and seen[0].endswith("\n")
+
+
+def test_sample_of_a_routed_model_writes_the_picture_of_its_last_window(runs, tmp_path, monkeypatch,
+                                                                        capsys):
+    run = copy_run(runs, tmp_path, "tsa")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    train.main(["--sample", str(run), "--prompt=ROMEO:", "--num_tokens=12", "--device=cpu"])
+    out = capsys.readouterr().out
+    sample = out.split("sample:\n")[1][:18]  # 6 + 12 tokens, the last block_size = 16 drawn
+    title = "tsa: routing of the sample's last 16 tokens"
+    assert f"\n{title}   legend: " in out
+    assert out.endswith(f"\nwrote {run / 'sample_routing.html'}\n")
+    assert "\n" + sample[2:].replace("\n", "⏎\n") in out and not os.listdir(tmp_path / "cwd")
+    assert f"<title>{html.escape(title)}</title>" in (run / "sample_routing.html").read_text()
+
+
+def test_sample_whose_decoding_step_fails_to_build_is_one_line(runs, monkeypatch, capsys):
+    """A compiler that cannot build (no C++ compiler here): one line with the cause and the fix."""
+    import functools
+
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("Compiler: cc is not found")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=no_compiler))
+    err = one_error(capsys, lambda: train.main(["--sample", str(runs / "gpt"), "--compile",
+                                                "--num_tokens=3", "--device=cpu"]))
+    assert err == "error: --compile failed compiling the decoding step " \
+                  "(RuntimeError: Compiler: cc is not found); run without it: leave out --compile"
 
 
 def test_help(capsys):
@@ -338,10 +502,7 @@ def test_compile_failing_at_compile_time_is_one_line_before_anything_is_written(
     assert "--compile failed compiling the training step " \
            "(RuntimeError: Compiler: cc is not found); run without it: --compile=false" in err
     assert not (tmp_path / "run").exists()
-    err = one_error(capsys, lambda: train.main(["--sample", str(runs / "gpt"), "--compile",
-                                                "--num_tokens=3"]))
-    assert "--compile failed compiling the decoding step " \
-           "(RuntimeError: Compiler: cc is not found); run without it: leave out --compile" in err
+    # --sample --compile failing: test_sample_whose_decoding_step_fails_to_build_is_one_line
 
 
 def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):
@@ -647,6 +808,22 @@ def test_show_and_duration_by_value():
         ["true", "false", "''", "'a b'", "3", "0", "0.5", "x"]
     assert [train._duration(s) for s in (-3, 0, 59.4, 59.6, 60, 61, 3725)] == \
         ["0s", "0s", "59s", "1m00s", "1m00s", "1m01s", "62m05s"]
+    assert [train.show(v) for v in ("XXXX", "-", "a.b")] == ["XXXX", "-", "a.b"]  # as they are
+
+
+def test_routing_colours_by_value(monkeypatch):
+    """Light blue (cheap) to dark orange (costly) in proportion; ANSI colour only on a TTY."""
+    assert [train._mix(a) for a in (0, 0.5, 1)] == [(214, 234, 248), (226, 186, 151),
+                                                    (239, 138, 54)]
+
+    class Model:
+        def routing_map(self, idx):  # (R, T) in [0, 1], row labels, legend
+            return torch.tensor([[0.0, 1.0]]), ["layer 1"], ("halted", "active")
+    meta = {"dataset": "shakespeare", "itos": ["a", "b"]}
+    for tty in (False, True):
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
+        text = train.picture(Model(), torch.tensor([[0, 1]]), meta, "t", None)
+        assert ("\x1b[" in text) == tty and ("'.'" in text) == (not tty), text
 
 
 def test_train_memory_by_value():
@@ -754,6 +931,72 @@ def test_differences_names_what_a_checkpoint_and_the_run_disagree_on():
     assert train.differences({}, cfg) == ""
 
 
+def test_check_out_dir_refuses_by_value(tmp_path, monkeypatch):
+    """Each refusal's exact line, called directly: where out_dir is, what it holds, and a ckpt.pt
+    --resume cannot continue (no training state, other values, another process count, done)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    cfg = common.Config(out_dir=str(tmp_path / "run"), data_dir=str(data), max_iters=4)
+    out, path = tmp_path / "run", tmp_path / "run" / "ckpt.pt"
+    (tmp_path / "f").write_text("")
+    assert refused(train.check_out_dir, dataclasses.replace(cfg, out_dir=str(tmp_path / "f" / "r")),
+                   "new", 1) == f"--out_dir {tmp_path / 'f' / 'r'}: {tmp_path / 'f'} is a file, " \
+                                "not a directory"
+    assert refused(train.check_out_dir, dataclasses.replace(cfg, out_dir=str(data / "r")), "new",
+                   1) == f"--out_dir {data / 'r'} is inside --data_dir {data}, the prepared " \
+                         "data: choose another --out_dir"
+    out.mkdir()
+    assert refused(train.check_out_dir, cfg, "resume", 1) == f"--resume: no {path} to resume from"
+    (out / "metrics.jsonl").write_text("")
+    assert refused(train.check_out_dir, cfg, "new", 1) == (
+        f"{out} holds a run (metrics.jsonl): continue it with --resume, or start over with "
+        "--overwrite (removes it), or choose another --out_dir")
+    assert refused(train.check_out_dir, cfg, "resume", 1) == (
+        f"--resume: no {path} to resume from; the run stopped before its first checkpoint: start "
+        "it again with --overwrite")
+    state = dict(model={}, config=dataclasses.asdict(cfg), iter=2)
+    common.save_checkpoint(str(path), **state)
+    assert refused(train.check_out_dir, cfg, "resume", 1) == (
+        f"{path} has no training state (optimizer, best_val_loss, rng_cpu; a copy of best.pt?): "
+        "--resume needs the ckpt.pt a run writes; to train on from its weights, start a new run "
+        f"with --init_from={path}")
+    state.update(optimizer={}, best_val_loss=4.0, rng_cpu=[torch.get_rng_state()])
+    del state["config"]["eval_seed"]  # a field newer than the run: not compared
+    common.save_checkpoint(str(path), **state)
+    assert train.check_out_dir(cfg, "resume", 1)["iter"] == 2
+    assert refused(train.check_out_dir, dataclasses.replace(cfg, n_layer=3), "resume", 1) == (
+        f"checkpoint {path} has n_layer=6 but this run asks for n_layer=3; resume with the values "
+        f"it was trained with ({out / 'config.json'})")
+    assert refused(train.check_out_dir, cfg, "resume", 2) == (
+        f"{path} was written by 1 process(es), this run has 2: resume it with python train.py ...")
+    common.save_checkpoint(str(path), **dict(state, rng_cpu=[torch.get_rng_state()] * 2))
+    assert refused(train.check_out_dir, cfg, "resume", 1) == (
+        f"{path} was written by 2 process(es), this run has 1: resume it with torchrun "
+        "--nproc_per_node=2 train.py ...")
+    common.save_checkpoint(str(path), **dict(state, iter=4))
+    assert refused(train.check_out_dir, cfg, "resume", 1) == (
+        f"{path} is at step 4 and --max_iters=4: nothing left to train; give a --max_iters above "
+        "4 to train on")
+    monkeypatch.chdir(tmp_path)
+    assert train.check_writable("new_run") is None  # made under the current folder
+
+    def read_only(dir):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(train.tempfile, "TemporaryFile", read_only)
+    assert refused(train.check_writable, "new_run") == (
+        "--out_dir new_run: cannot write in . (Read-only file system)")
+
+
+def test_gather_rng_is_every_ranks_state(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+
+    def all_gather_object(out, obj):
+        out[:] = [(rank, obj) for rank in range(len(out))]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    assert train._gather_rng("s", True) == [(0, "s"), (1, "s")]
+    assert train._gather_rng("s", False) == ["s"]
+
+
 def test_read_metrics_drops_only_a_cut_last_line(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     assert train.read_metrics(str(path)) == []
@@ -763,9 +1006,47 @@ def test_read_metrics_drops_only_a_cut_last_line(tmp_path, capsys):
     assert train.read_metrics(str(path)) == [{"a": 1}, {"b": 2}]
     assert capsys.readouterr().out == (f"note: {path}: dropped its last line, cut short "
                                        "('{\"kind\": \"tr')\n")
+    path.write_text('{"a": 1}\n{"kind": "train", "step": 12, "loss": 4.1, "time": 0.')
+    assert train.read_metrics(str(path)) == [{"a": 1}]
+    assert capsys.readouterr().out == (  # its first 40 characters
+        f"note: {path}: dropped its last line, cut short ('{{\"kind\": \"train\", \"step\": 12, "
+        "\"loss\": 4.')\n")
     path.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
     assert refused(train.read_metrics, str(path)) == (f"{path}: line 2 is not JSON; fix or remove "
                                                       "that line")
+
+
+def test_find_dense_run_takes_the_first_finished_gpt_of_the_same_sizes(tmp_path, monkeypatch):
+    """The summary's dense baseline: in out_dir's parent, the first folder (sorted) holding a gpt
+    run with this run's data, sizes and budget whose log has an eval at max_iters."""
+    cfg = common.Config(out_dir=str(tmp_path / "out" / "tsa"), max_iters=4)
+    log = [{"kind": "train", "step": s, "loss": 4.0} for s in range(4)] + [
+        {"kind": "eval", "step": s, "val_loss": 4.0 - s / 8} for s in (0, 2, 4)]
+
+    def run(name, log=log, **changes):
+        (tmp_path / "out" / name).mkdir(parents=True)
+        config = {**dataclasses.asdict(cfg), "model": "gpt", **changes}
+        (tmp_path / "out" / name / "config.json").write_text(json.dumps(config))
+        (tmp_path / "out" / name / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in log))
+    run("a_tsa", model="tsa")  # not a gpt
+    for k, v in (("dataset", "copy"), ("n_layer", 5), ("n_head", 3), ("n_embd", 96),
+                 ("block_size", 64), ("batch_size", 8), ("max_iters", 6)):
+        run(f"b_{k}", **{k: v})  # one size (or the data, or the budget) differs
+    run("c_unfinished", log=log[:-1])  # its last eval is at step 2
+    run("d_no_log", log=[])
+    (tmp_path / "out" / "d_no_log" / "metrics.jsonl").unlink()
+    (tmp_path / "out" / "e_empty").mkdir()
+    (tmp_path / "out" / "e_notes.txt").write_text("mine")
+    run("f_gpt")
+    run("g_gpt", log=log[:-1] + [{**log[-1], "val_loss": 1.0}])
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # the folders are found under out_dir's parent, not here
+    assert train.find_dense_run(cfg) == (str(tmp_path / "out" / "f_gpt"), 3.5)
+    (tmp_path / "out" / "f_gpt" / "config.json").write_text("{not json")
+    assert train.find_dense_run(cfg) == (str(tmp_path / "out" / "g_gpt"), 1.0)
+    (tmp_path / "out" / "g_gpt" / "metrics.jsonl").write_text('{"kind": "eval"}\n')
+    assert train.find_dense_run(cfg) is None
 
 
 def test_resolve_takes_the_datas_vocabulary_and_record_length(capsys):
@@ -785,7 +1066,8 @@ def test_resolve_takes_the_datas_vocabulary_and_record_length(capsys):
 def test_saved_config_is_the_runs_config_json_or_its_checkpoints_copy(tmp_path):
     out = tmp_path / "run"
     assert refused(train.saved_config, str(out)) == f"--resume: no {out / 'ckpt.pt'} to resume from"
-    out.mkdir()
+    out.mkdir()  # an empty folder: nothing was started there
+    assert refused(train.saved_config, str(out)) == f"--resume: no {out / 'ckpt.pt'} to resume from"
     (out / "metrics.jsonl").write_text("")
     assert refused(train.saved_config, str(out)) == (
         f"--resume: no {out / 'ckpt.pt'} to resume from; the run stopped before its first "
@@ -825,6 +1107,9 @@ def test_resumed_values_keep_the_runs_values_but_for_what_may_change():
     assert err == ("--resume: --model asks for model=tsa but c.json has model=gpt; a resumed run "
                    "keeps its values: drop --model (may change: --" + ", --".join(train.MAY_CHANGE)
                    + ")")
+    err = refused(train.resumed_values, saved, "c.json",  # the data too, after the seed here
+                  {"seed": 2, "model": "gpt", "max_iters": 9, "dataset": "copy"}, {})
+    assert err.startswith("--resume: --dataset asks for dataset=copy but c.json has dataset=")
     err = refused(train.resumed_values, saved, "c.json", dict(values, seed=2), {})
     assert err.startswith("--resume: --seed asks for seed=2 but c.json has seed=1;")
 

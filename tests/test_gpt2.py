@@ -2,6 +2,7 @@
 test-only dependency), served from 127.0.0.1 as the Hub serves it and loaded through --init_from,
 computes what `transformers` computes: the same logits (fp32, <= 1e-5) and the same greedy tokens,
 for the dense GPT and every router on GPT-2 blocks with its routers forced to run every token."""
+import dataclasses
 import functools
 import http.server
 import json
@@ -222,6 +223,33 @@ def test_a_cached_download_that_is_not_what_it_claims_is_not_kept(hub, hf, tmp_p
     assert train.gpt2_config(str(cached.parent))["n_layer"] == N_LAYER
 
 
+def test_gpt2_folder_names_what_a_local_folder_lacks(tmp_path):
+    with pytest.raises(common.NanorouteError) as e:
+        train.gpt2_folder(str(tmp_path))
+    assert str(e.value) == (f"--init_from {tmp_path}: no config.json or model.safetensors there "
+                            "(a Hugging Face GPT-2 checkpoint is config.json + model.safetensors)")
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_HF))
+    with pytest.raises(common.NanorouteError) as e:
+        train.gpt2_folder(str(tmp_path))
+    assert str(e.value).startswith(f"--init_from {tmp_path}: no model.safetensors there (")
+
+
+def test_a_cached_model_safetensors_that_is_no_safetensors_is_not_kept(tmp_path):
+    """What a proxy serves as the weights (an HTML page), already in data/hf/: refused and
+    removed, the config kept; no download (both files are there)."""
+    folder = tmp_path / "hf" / "gpt2"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(SMALL_HF))
+    (folder / "model.safetensors").write_text("<!doctype html><html>Sign in</html>")
+    with pytest.raises(common.NanorouteError) as e:
+        train.gpt2_folder("gpt2", str(tmp_path))
+    n = int.from_bytes(b"<!doctyp", "little")  # its first 8 bytes read as the header's length
+    assert str(e.value) == (f"{folder / 'model.safetensors'} is not a readable safetensors file "
+                            f"(ValueError: header length {n} in a file of 35 bytes); removed it "
+                            "from the cache: the next run downloads it again")
+    assert os.listdir(folder) == ["config.json"]
+
+
 def test_the_hubs_layout_and_every_float_dtype(hf, tmp_path):
     """The Hub's gpt2 files predate `transformer.`-prefixed names and keep the causal-mask buffers
     (h.<i>.attn.bias, attn.masked_bias): both layouts give the same state dict. The reader gives
@@ -314,6 +342,8 @@ SMALL_HF = {"model_type": "gpt2", "vocab_size": 50, "n_positions": 16, "n_layer"
     ({}, None), ({"activation_function": "gelu_new"}, None),
     ({"activation_function": "gelu_pytorch_tanh"}, None), ({"activation_function": "gelu"}, None),
     ({"n_inner": 32, "n_ctx": 16, "layer_norm_epsilon": 1e-5}, None),
+    ({"vocab_size": 1, "n_positions": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "n_ctx": 1},
+     None),  # 1 is a size
     ({"n_inner": None, "scale_attn_weights": True, "tie_word_embeddings": True}, None),
     ({"architectures": ["GPT2Model"], "add_cross_attention": False}, None),
     ({"architectures": None, "scale_attn_by_inverse_layer_idx": False}, None),
@@ -345,8 +375,10 @@ def test_gpt2_config_maps_or_refuses_each_field(tmp_path, fields, says):
     (tmp_path / "config.json").write_text(json.dumps({**SMALL_HF, **fields}))
     if says is None:
         gelu = "none" if fields.get("activation_function") == "gelu" else "tanh"
-        assert train.gpt2_config(str(tmp_path)) == dict(vocab_size=50, block_size=16, n_layer=2,
-                                                        n_head=2, n_embd=8, bias=True, gelu=gelu)
+        c = {**SMALL_HF, **fields}
+        assert train.gpt2_config(str(tmp_path)) == dict(
+            vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
+            n_head=c["n_head"], n_embd=c["n_embd"], bias=True, gelu=gelu)
         return
     with pytest.raises(common.NanorouteError) as e:
         train.gpt2_config(str(tmp_path))
@@ -385,6 +417,99 @@ def tiny_gpt2(folder, **extra):
     return sd
 
 
+def tiny_gpt2_folder(folder, **config):
+    """A 1-layer GPT-2 checkpoint folder (tiny_gpt2's weights, vocabulary 10, 8 positions, C=4)."""
+    tiny_gpt2(folder)
+    (folder / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "vocab_size": 10, "n_positions": 8, "n_layer": 1, "n_head": 1,
+         "n_embd": 4, **config}))
+    return str(folder)
+
+
+def start_refused(cfg, module, meta):
+    with pytest.raises(common.NanorouteError) as e:
+        train.start_from(cfg, module, meta)
+    return str(e.value)
+
+
+def test_start_from_refuses_by_value_before_reading_weights(tmp_path, monkeypatch):
+    """Each refusal's exact line, called directly (no run): a run's folder, a hybrid, data in
+    another unit (a meta without one: tokens), another vocabulary; a checkpoint config without a
+    vocab_size takes the run's."""
+    folder = tiny_gpt2_folder(tmp_path / "hf")
+    bpe = {"encoding": "r50k_base", "vocab_size": 10}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_text("")
+    src = str(tmp_path / "run")
+    assert start_refused(common.Config(init_from=src), common, bpe) == (
+        f"--init_from {src} is a run: pass {os.path.join(src, 'ckpt.pt')}")
+    import hybrid_attn
+    hybrid = hybrid_attn.Config(model="hybrid", init_from=folder)
+    assert start_refused(hybrid, hybrid_attn, bpe) == (
+        "--model hybrid cannot start from GPT-2: its Gated DeltaNet layers have no GPT-2 weights, "
+        "and GPT-2 with random mixers in place of its attention is no trained model (route GPT-2 "
+        "with tsa, dtrnet or conddepth, or train the hybrid from scratch)")
+    assert start_refused(common.Config(init_from=folder, dataset="x"), common,
+                         {"vocab_size": 7}) == ("GPT-2 reads GPT-2's BPE tokens; --dataset x has "
+                                                "a vocabulary of 7 tokens: use --dataset "
+                                                "shakespeare_bpe")
+    ckpt = str(tmp_path / "ckpt.pt")
+    saved = dataclasses.asdict(common.Config(vocab_size=50, n_layer=1))
+    common.save_checkpoint(ckpt, model={}, config=saved)
+    meta = {"dataset": "shakespeare", "vocab_size": 65}
+    assert start_refused(common.Config(init_from=ckpt), common, meta) == (
+        f"--init_from {ckpt} has a vocabulary of 50, --dataset shakespeare one of 65: use the "
+        "dataset it learned")
+    del saved["vocab_size"]
+    common.save_checkpoint(ckpt, model={}, config=saved)
+    cfg, sd = train.start_from(common.Config(init_from=ckpt, vocab_size=65), common, meta)
+    assert cfg.vocab_size == 65 and cfg.n_layer == 1 and sd == {}
+
+
+def test_start_from_a_hub_name_reads_its_config_before_fetching_the_weights(tmp_path, monkeypatch,
+                                                                           capsys):
+    """A config refused (here: another vocabulary) costs no weights download; on a rank other
+    than 0, both fetches wait for rank 0's verdict (a broadcast) and nothing is printed."""
+    fetched = []
+    monkeypatch.setattr(common, "download", lambda url, dest, **kw: fetched.append(url))
+    cache = tmp_path / "hf" / "gpt2"
+    cache.mkdir(parents=True)
+    (cache / "config.json").write_text(json.dumps({**SMALL_HF, "vocab_size": 10}))
+    cfg = common.Config(init_from="gpt2", data_dir=str(tmp_path), dataset="shakespeare_bpe")
+    assert start_refused(cfg, common, {"encoding": "r50k_base", "vocab_size": 7}) == (
+        "--init_from gpt2 has a vocabulary of 10, --dataset shakespeare_bpe one of 7: use the "
+        "dataset it learned")
+    assert fetched == [] and os.listdir(cache) == ["config.json"]
+    boxes = []
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list",
+                        lambda box, src: boxes.append((list(box), src)))
+    folder = tiny_gpt2_folder(tmp_path / "local")
+    cfg = common.Config(init_from=folder, block_size=4, vocab_size=10)
+    cfg, sd = train.start_from(cfg, common, {"encoding": "r50k_base", "vocab_size": 10},
+                               master=False, ddp=True)
+    assert boxes == [([None], 0), ([None], 0)] and cfg.n_embd == 4 and "wte.weight" in sd
+    assert capsys.readouterr().out == ""  # rank 0 says what came from where
+
+
+def test_start_from_a_gpt2_folder_by_value(tmp_path, capsys):
+    """Its positions: all (no note), fewer (a note), more (refused); a vocab_size given is the
+    data's business (resolve), not a value the checkpoint refuses."""
+    folder = tiny_gpt2_folder(tmp_path / "hf")
+    bpe = {"encoding": "r50k_base", "vocab_size": 10}
+    cfg, sd = train.start_from(common.Config(init_from=folder, block_size=8, vocab_size=100),
+                               common, bpe)
+    assert cfg.vocab_size == 10 and cfg.block_size == 8 and sd["wpe.weight"].shape == (8, 4)
+    assert capsys.readouterr().out == (
+        f"from --init_from {folder}: vocab_size=10, n_layer=1, n_head=1, n_embd=4, bias=true, "
+        "gelu=tanh; the rest from this run's flags and defaults\n")
+    train.start_from(common.Config(init_from=folder, block_size=5), common, bpe)
+    assert capsys.readouterr().out.startswith(
+        f"note: block_size 5 keeps the first 5 of {folder}'s 8 positions (--block_size=8 for all "
+        "of them)\n")
+    assert start_refused(common.Config(init_from=folder, block_size=9), common, bpe) == (
+        f"--block_size=9 is longer than {folder}'s 8 positions")
+
+
 def test_gpt2_state_dict_maps_each_name_and_refuses_the_rest(tmp_path):
     hf_sd = tiny_gpt2(tmp_path / "a")
     sd = train.gpt2_state_dict(str(tmp_path / "a"), 1, 8)
@@ -396,6 +521,11 @@ def test_gpt2_state_dict_maps_each_name_and_refuses_the_rest(tmp_path):
     with pytest.raises(common.NanorouteError) as e:
         train.gpt2_state_dict(str(tmp_path / "a"), 1, 9)
     assert str(e.value) == "block_size=9 is longer than the checkpoint's 8 positions"
+    with pytest.raises(common.NanorouteError) as e:  # 12 tensors missing: the first 3 named
+        train.gpt2_state_dict(str(tmp_path / "a"), 2, 8)
+    assert str(e.value) == (f"{tmp_path / 'a' / 'model.safetensors'} does not hold a 2-layer "
+                            "GPT-2: no blocks.1.attn.c_attn.bias, no blocks.1.attn.c_attn.weight, "
+                            "no blocks.1.attn.c_proj.bias")
     tiny_gpt2(tmp_path / "b", **{"lm_head.weight": hf_sd["wte.weight"].clone()})  # tied: kept
     assert set(train.gpt2_state_dict(str(tmp_path / "b"), 1, 8)) == set(sd)
     tiny_gpt2(tmp_path / "c", **{"lm_head.weight": hf_sd["wte.weight"] + 1})
