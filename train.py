@@ -246,7 +246,7 @@ def field_help(cls):
 def show(value):
     if isinstance(value, bool):
         return str(value).lower()
-    return shlex.quote(str(value)) if value != "" else "''"
+    return shlex.quote(str(value))  # '' for an empty value
 
 
 def print_help(argv):
