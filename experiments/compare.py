@@ -55,7 +55,10 @@ RUNS = {  # name -> (model, flags): dense line first, then two operating points 
 }
 SEEDS = (1, 2)
 QUICK = dict(max_iters=6, eval_interval=6, eval_iters=2, warmup_iters=2)  # --quick: a smoke run of the pipeline
-run_dir = lambda out, name, seed: os.path.join(out, f"{name}-s{seed}")  # noqa: E731
+
+
+def run_dir(out, name, seed):
+    return os.path.join(out, f"{name}-s{seed}")
 
 
 def parent(name):
@@ -127,7 +130,8 @@ def inference_flops(model_name, module, cfg, ev, T):
     if model_name == "tsa":
         return module.flops_per_token(cfg, T, ev["alpha_hard"], mode="query")
     if model_name == "dtrnet":
-        return module.flops_per_token(cfg, T, [ev[f"frac_l{i}"] for i, c in enumerate(cfg.pattern) if c == "D"])
+        rho = [ev[f"frac_l{i}"] for i, c in enumerate(cfg.pattern) if c == "D"]
+        return module.flops_per_token(cfg, T, rho)
     if model_name == "conddepth":
         ffn = common.flops_ffn(cfg.n_embd, 4 * cfg.n_embd)
         per_layer = module.infer_vs_full(dataclasses.replace(cfg, rho=ev["full_ratio"])) * ffn
@@ -137,7 +141,8 @@ def inference_flops(model_name, module, cfg, ev, T):
         soft = 1 - statistics.mean(ev[k] for k in routed) if routed else 0.0
         return module.flops_per_token(cfg, T, soft, sparse=True)
     if model_name == "mod":
-        return module.flops_per_token(cfg, T, [1 - ev[f"skip_l{i}"] for i, c in enumerate(cfg.pattern) if c == "R"])
+        rho = [1 - ev[f"skip_l{i}"] for i, c in enumerate(cfg.pattern) if c == "R"]
+        return module.flops_per_token(cfg, T, rho)
     raise ValueError(model_name)
 
 
@@ -224,8 +229,11 @@ def dense_loss_at(line, flops):
 def verdict(loss, sd, line_loss):
     if line_loss is None:
         return "outside the dense range"
-    return ("beats the dense line" if loss + sd < line_loss else "worse than the dense line" if loss - sd > line_loss
-            else "on the dense line (within seed spread)")
+    if loss + sd < line_loss:
+        return "beats the dense line"
+    if loss - sd > line_loss:
+        return "worse than the dense line"
+    return "on the dense line (within seed spread)"
 
 
 def control_of(name):
