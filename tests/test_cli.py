@@ -621,9 +621,12 @@ def test_one_run_folder_one_writer_and_a_killed_run_leaves_no_lock(runs, tmp_pat
     assert not (out / train.LOCK).exists()
 
 
-def torchrun(*argv):
+def torchrun(*argv, monitor=0.1):
+    # monitor: how often torchrun looks at its workers; once one has exited non-zero it SIGTERMs
+    # the rest, so a rank still exiting on its own may be counted as killed (-15) when it is short
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", "train.py", *map(str, argv)],
+                           "--nproc_per_node=2", f"--monitor-interval={monitor}", "train.py",
+                           *map(str, argv)],
                           cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -632,7 +635,8 @@ def test_torchrun_a_refusal_of_rank_0_ends_every_rank_and_a_sample_prints_once(r
     """Rank 0 alone checks the run folder; its verdict ends rank 1 too with exit 2 (not killed by
     torchrun at a barrier it waited at), one error line in all. --sample: one sample, rank 0's."""
     out = copy_run(runs, tmp_path)
-    p = torchrun(*flags(runs / "data", out, "--max_iters=2"))
+    # 5 s: both ranks end on their own long before torchrun looks; one left at a barrier does not
+    p = torchrun(*flags(runs / "data", out, "--max_iters=2"), monitor=5)
     assert p.stderr.count("error: ") == 1 and f"error: {out} holds a run" in p.stderr
     assert p.stderr.count("exitcode  : 2") == 2, p.stderr  # both ranks, each by its own refusal
     p = torchrun("--sample", out, "--num_tokens=3", "--device=cpu")
