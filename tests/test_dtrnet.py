@@ -526,22 +526,6 @@ def test_eager_decode_skips_attention_of_bypassed_tokens(monkeypatch):
         assert seen == want
 
 
-@pytest.mark.parametrize("B", [1, 2])
-def test_compiled_decode_step_has_fixed_shapes(B):
-    """torch.compile(model.step) decodes token for token like eager and compiles no graph after the second token
-    (the shapes a CUDA graph needs do not change), with both paths taken in every D layer."""
-    from conftest import compiled_decode_matches
-    m = sharpen(make(layers="TDDT", dtype=torch.float32)).eval()
-    for b in d_blocks(m):
-        b.router = HashRouter()
-    prompt = torch.randint(0, 50, (B, 5), generator=torch.Generator().manual_seed(B))
-    assert compiled_decode_matches(m, prompt, n=12) == 1  # one graph: no host decision inside the step
-    seq = m.generate(prompt, 12, temperature=0)
-    _, routes = m.trunk(m.embed(seq), packed=False)
-    for _, delta, _ in routes:  # the decoded tokens took both paths in every D layer
-        assert 0 < delta[:, 5:].float().mean() < 1
-
-
 def reference_generate(m, prompt, n_new, temperature, window):
     idx = prompt  # the cache-free reference: the window recomputed every token
     for _ in range(n_new):

@@ -660,34 +660,6 @@ def test_cli_smoke(data_dir, tmp_path):
 
 
 
-@pytest.mark.parametrize("B", [1, 2])
-def test_compiled_decode_step_has_fixed_shapes(B):
-    """torch.compile(model.step) decodes greedily token for token like eager in one graph that no token
-    recompiles (B=1: torch.cond picks the read inside the graph; B=2: both reads, torch.where per
-    row), and on random tokens, which take both reads, its logits equal the eager step's (B=1: the
-    host picks)."""
-    from conftest import compiled_decode_matches
-    torch.manual_seed(0)
-    m = H.Model(tiny(block_size=32)).eval()
-    with torch.no_grad():
-        m.router.weight.mul_(10)
-    prompt = torch.randint(0, 40, (B, 5), generator=torch.Generator().manual_seed(B))
-    assert compiled_decode_matches(m, prompt, n=12) == 1
-    x = torch.randint(0, 40, (B, 24), generator=torch.Generator().manual_seed(B))
-    soft = m.route(m.blocks[0](m.embed(x)))[2][:, 5:, :, 1]                        # (B, 19, nR)
-    assert 0 < soft.mean() < 1
-    out = []
-    with torch.no_grad():
-        for step in (m.step, torch.compile(m.step, backend="aot_eager")):
-            logits, state = m.prefill(x[:, :5])
-            steps = [logits]
-            for t in range(5, 24):
-                logits, state = step(x[:, t:t + 1], state)
-                steps.append(logits)
-            out.append(torch.stack(steps, 1))                                       # (B, 20, V)
-    assert torch.allclose(out[0], out[1], atol=1e-5), (out[0] - out[1]).abs().max()
-
-
 @pytest.mark.parametrize("args,rc", [(["--help"], 0), (["--help", "--bogus=1"], 2)])
 def test_command_line(args, rc):
     """--help says what the file takes (nothing); anything else is one error line, exit 2."""

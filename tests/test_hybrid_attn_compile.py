@@ -82,22 +82,26 @@ def test_sparse_forward_breaks_once_where_the_read_counts_reach_the_host():
 @pytest.mark.parametrize("B", [1, 4])
 def test_decode_step_is_one_graph_over_64_steps(B):
     """fullgraph=True; greedy decoding equals eager's token for token over 64 steps that take both
-    reads (at B=1 torch.cond picks one, at B=4 torch.where per row), and nothing recompiles."""
+    reads (at B=1 torch.cond picks one, at B=4 torch.where per row), with the eager step's logits,
+    and nothing recompiles. aot_eager: AOT tracing too, as a CUDA-graph capture needs."""
     m = tiny_model().eval()
     prompt = tokens(B, 8, seed=B)
-    cnt = CompileCounterWithBackend("eager")
-    toks = {}
+    cnt = CompileCounterWithBackend("aot_eager")
+    toks, logs = {}, {}
     with torch.no_grad():
         for name, step in (("eager", m.step),
                            ("compiled", torch.compile(m.step, backend=cnt, fullgraph=True))):
             logits, state = m.prefill(prompt)
-            out = []
+            out, seen = [], []
             for _ in range(64):
                 out.append(logits.argmax(-1, keepdim=True))  # (B, 1)
                 logits, state = step(out[-1], state)
-            toks[name] = torch.cat(out, 1)
+                seen.append(logits)
+            toks[name], logs[name] = torch.cat(out, 1), torch.stack(seen, 1)  # (B, 64), (B, 64, V)
         seq = torch.cat([prompt, toks["eager"]], 1)
         soft = m.route(m.blocks[0](m.embed(seq)))[2][:, 8:, :, 1]  # (B, 64, nR): decisions taken
     assert torch.equal(toks["eager"], toks["compiled"])
+    assert torch.allclose(logs["eager"], logs["compiled"], atol=1e-5), \
+        (logs["eager"] - logs["compiled"]).abs().max()
     assert cnt.frame_count == 1
     assert 0.1 < soft.mean() < 0.9

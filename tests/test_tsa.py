@@ -13,7 +13,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import common
 import tsa
-from conftest import compiled_decode_matches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -375,23 +374,6 @@ def test_decode_step_skips_the_work_of_halted_tokens(B):
             with FlopCounterMode(display=False) as fc:
                 m.step(ids(B=B, T=1), state)
         assert fc.get_total_flops() == B * (kv + rest + (L - 1) * (routed + tsa.flops_router(d)) + 2 * d * V)
-
-
-@pytest.mark.parametrize("B", [1, 2])
-def test_compiled_decode_has_fixed_shapes(B):
-    """torch.compile(step) decodes greedily as the eager step does, in one graph that never recompiles:
-    the cache is written at a position held in a tensor, so no shape depends on the token's position, and
-    each routed block's decision (every row halts or not) is a torch.cond in the graph; both branches ran."""
-    m = make(mixed=True, dtype=torch.float32).eval()
-    prompt = ids(B=3)[:B, :8]
-    assert compiled_decode_matches(m, prompt, 12) == 1
-    rec = record_p(m)  # hooks after compiling (dynamo guards on them): the same greedy steps, eagerly
-    with torch.no_grad():
-        logits, state = m.prefill(prompt)
-        for _ in range(12):
-            logits, state = m.step(logits.argmax(-1, keepdim=True), state)
-    halts = torch.stack([(p > 0.5).all() for p in rec if p.size(1) == 1])  # (12 · 3,) per step and router
-    assert halts.any() and not halts.all()
 
 
 # ----------------------------------------------------------------------------------------------------
