@@ -1090,21 +1090,21 @@ def test_compile_trains_every_model_like_eager(model, data_dir, tmp_path):
     with a one-line error that says why (its module's COMPILE_REFUSED)."""
     device = common.pick_device("auto").type  # what train.py picks on this machine
     refused = getattr(importlib.import_module(train.MODELS[model]), "COMPILE_REFUSED", {}).get(device)
-    losses = {}
-    for c in ("false", "true"):
-        out = subprocess.run([sys.executable, "train.py", f"--model={model}", f"--data_dir={data_dir}",
-                              f"--out_dir={tmp_path / c}", "--n_layer=4", "--n_embd=32", "--n_head=2",
-                              "--block_size=32", "--batch_size=4", "--max_iters=4", "--eval_interval=2",
-                              "--eval_iters=1", f"--compile={c}"] + (["--hard_ft_iters=2"] if model == "tsa" else []),
-                             cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if c == "true" and refused:
-            assert out.returncode == 2 and out.stderr.strip() == (
-                f"error: --compile is refused for --model {model} on {device}: {refused}")
-            return
-        assert out.returncode == 0, out.stderr[-2000:]
-        losses[c] = [r["val_loss"] for r in map(json.loads, open(tmp_path / c / "metrics.jsonl")) if r["kind"] == "eval"]
-    assert len(losses["true"]) == 3 and losses["true"] == pytest.approx(losses["false"], abs=2e-3)
+    argv = [f"--model={model}", f"--data_dir={data_dir}", "--n_layer=4", "--n_embd=32", "--n_head=2",
+            "--block_size=32", "--batch_size=4", "--max_iters=4", "--eval_interval=2", "--eval_iters=1"] + (
+                ["--hard_ft_iters=2"] if model == "tsa" else [])
+    out = subprocess.run([sys.executable, "train.py", *argv, f"--out_dir={tmp_path / 'c'}", "--compile=true"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # as a user starts it
+    if refused:
+        assert out.returncode == 2 and out.stderr.strip() == (
+            f"error: --compile is refused for --model {model} on {device}: {refused}")
+        return
+    assert out.returncode == 0, out.stderr[-2000:]
+    train.main(argv + [f"--out_dir={tmp_path / 'e'}", "--compile=false"])  # eager: in this process
+    evals = {c: [r["val_loss"] for r in map(json.loads, open(tmp_path / c / "metrics.jsonl"))
+                 if r["kind"] == "eval"] for c in "ce"}
+    assert len(evals["c"]) == 3 and evals["c"] == pytest.approx(evals["e"], abs=2e-3)
 
 
 def test_ddp_two_processes_on_cpu(data_dir, tmp_path):
