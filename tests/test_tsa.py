@@ -747,17 +747,40 @@ def test_presets():
     assert (paper.n_layer, paper.n_embd, paper.n_head, paper.batch_size, paper.max_iters) == (6, 256, 8, 64, 5000)
 
 
-def test_bad_config_is_one_line_error():
-    for bad in (dict(hard_variant="x"), dict(variant="moe"), dict(lam=-1.0), dict(lam=float("nan")),
-                dict(n_layer=1), dict(threshold=2.0), dict(hard_ft_iters=-1), dict(router_bias=float("inf")),
-                dict(hard_ft_routers="freeze"), dict(hard_ft_lr=-1.0), dict(hard_ft_lr=1e-9),
-                dict(hard_ft_lr=float("nan")), dict(exec_share=1.5, hard_ft_routers="calibrate"),
-                dict(exec_share=-0.1, hard_ft_routers="calibrate"), dict(exec_share=0.5)):
-        with pytest.raises(common.NanorouteError):
-            tiny(**bad)
-    m = make().eval()
-    with pytest.raises(common.NanorouteError):
-        m.train()(ids(), sparse=True)
+BAD_CONFIGS = [  # (field=value, the exact refusal: one line, naming the field and the rule)
+    (dict(hard_variant="x"), "hard_variant must be one of ('01', 'scaled'), got 'x'"),
+    (dict(variant="moe"), "variant must be one of ('tsa', 'early_exit'), got 'moe'"),
+    (dict(hard_ft_routers="freeze"),
+     "hard_ft_routers must be one of ('train', 'frozen', 'calibrate', 'soft'), got 'freeze'"),
+    (dict(lam=-1.0), "lam must be >= 0, got -1.0"),
+    (dict(lam=float("nan")), "lam must be a finite number, got nan"),  # common.Config's check
+    (dict(n_layer=1), "n_layer must be >= 2 (a stem and a routed block), got 1"),
+    (dict(threshold=2.0), "threshold must be in [0, 1], got 2.0"),
+    (dict(threshold=-0.5), "threshold must be in [0, 1], got -0.5"),
+    (dict(hard_ft_iters=-1), "hard_ft_iters must be >= 0, got -1"),
+    (dict(router_bias=float("inf")), "router_bias must be a finite number, got inf"),
+    (dict(router_bias=float("-inf")), "router_bias must be a finite number, got -inf"),
+    (dict(hard_ft_lr=-1.0), "hard_ft_lr must be 0 (off) or >= min_lr=0.0001, got -1.0"),
+    (dict(hard_ft_lr=1e-9), "hard_ft_lr must be 0 (off) or >= min_lr=0.0001, got 1e-09"),
+    (dict(hard_ft_lr=float("nan")), "hard_ft_lr must be a finite number, got nan"),
+    (dict(exec_share=1.5, hard_ft_routers="calibrate"), "exec_share must be in [0, 1], got 1.5"),
+    (dict(exec_share=-0.1, hard_ft_routers="calibrate"), "exec_share must be in [0, 1], got -0.1"),
+    (dict(exec_share=0.5), "exec_share must be 0 unless hard_ft_routers='calibrate', got 0.5")]
+
+
+@pytest.mark.parametrize("bad, message", BAD_CONFIGS, ids=[next(iter(b)) for b, _ in BAD_CONFIGS])
+def test_bad_config_is_one_line_error(bad, message):
+    with pytest.raises(common.NanorouteError) as e:
+        tiny(**bad)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("variant", ["tsa", "early_exit"])
+def test_sparse_in_training_is_refused(variant):
+    m = make(variant=variant).train()
+    with pytest.raises(common.NanorouteError) as e:
+        m(ids(), sparse=True)
+    assert str(e.value) == "sparse=True is an inference path: call model.eval() first"
 
 
 def test_cli_smoke(data_dir, tmp_path, capsys):
