@@ -939,3 +939,36 @@ def test_flops_defaults():
     cfg = tiny()
     assert tsa.flops_per_token(cfg, 32) == common.dense_flops_per_token(cfg, 32)
     assert tsa.flops_per_token(cfg, 32, mode="ffn") == tsa.flops_per_token(cfg, 32, 1.0, "ffn")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_model_init_refusals_and_fresh_state(tmp_path):
+    """tsa.Model refuses the early-exit variant (tsa.build picks the class). Under DDP (a real
+    one-process gloo group here) a phase whose routers get no gradient is refused before any work,
+    as DDP would fail on them mid-run; the other phases build. A fresh model trains soft, no
+    calibration pending, until on_step says otherwise."""
+    with pytest.raises(common.NanorouteError) as e:
+        tsa.Model(tiny(variant="early_exit"))
+    assert str(e.value) == "variant='early_exit': build it with tsa.build(cfg)"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                                         world_size=1)
+    try:
+        for routers in ("frozen", "calibrate"):
+            with pytest.raises(common.NanorouteError) as e:
+                tsa.Model(tiny(hard_ft_routers=routers, hard_ft_iters=5))
+            assert str(e.value) == (f"hard_ft_routers={routers} leaves routers without gradients,"
+                                    " which DDP refuses: use one process or 'train'")
+        for ok in (dict(hard_ft_routers="frozen", hard_ft_iters=0),
+                   dict(hard_ft_routers="train", hard_ft_iters=5),
+                   dict(hard_ft_routers="soft", hard_ft_iters=5)):
+            tsa.Model(tiny(**ok))
+    finally:
+        torch.distributed.destroy_process_group()
+    tsa.Model(tiny(hard_ft_routers="frozen", hard_ft_iters=5))  # one process: no DDP, fine
+    m = make(mixed=True, max_iters=10, hard_ft_iters=5, hard_ft_routers="calibrate").train()
+    assert m.hard_train is False and m.calibrate_now is False
+    x = ids()
+    st = m(x, x)[2]
+    soft = m.head(m.trunk(m.embed(x), "soft")[0], x)[1]
+    hard = m.head(m.trunk(m.embed(x), "hard")[0], x)[1]
+    assert torch.equal(st["lm_loss"], soft) and abs(soft - hard) > 1e-3  # soft, not hard
