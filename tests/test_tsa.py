@@ -655,6 +655,8 @@ def test_early_exit_frozen_state():
     m = tsa.build(tiny(variant="early_exit")).double().eval()
     with torch.no_grad():
         m.wte.weight.mul_(10)  # sharper exit heads
+        m.ln_f.weight.uniform_(0.5, 1.5)  # the last exit's norm differs from exit 0's: a token
+        # that exited keeps the logits of its own exit head, not the last head's on its state
         x = ids(B=2)
         full = m(x)[0]
         conf0 = m.lm_head(m.exit_norm(0)(m.blocks[0](m.embed(x)))).softmax(-1).amax(-1)
@@ -677,18 +679,22 @@ def test_early_exit_frozen_state():
 
 
 def test_early_exit_trains_on_every_exit():
-    """Training loss = mean over the L exits of CE(lm_head(norm_l(h_l))), computed here independently."""
+    """Training loss = mean over the L exits of CE(lm_head(norm_l(h_l))), computed here independently;
+    targets of -1 (padding) count nowhere. stats: exit_loss (that mean), lm_loss (the last exit's)."""
     torch.manual_seed(0)
     m = tsa.build(tiny(variant="early_exit")).double().train()
     x, y = ids(), ids(seed=3)
+    y[:, :5] = -1
+    keep = y.flatten() >= 0
     _, loss, st = m(x, y)
     h, ces = m.embed(x), []
     for l, block in enumerate(m.blocks):
         h = block(h)
         norm = m.exit_ln[l] if l < len(m.exit_ln) else m.ln_f
-        ces.append(F.cross_entropy((norm(h) @ m.wte.weight.T).flatten(0, 1).float(), y.flatten()))
+        z = (norm(h) @ m.wte.weight.T).flatten(0, 1)[keep]
+        ces.append(F.cross_entropy(z.float(), y.flatten()[keep]))
     assert torch.allclose(loss, torch.stack(ces).mean(), atol=1e-6)
-    assert torch.allclose(st["lm_loss"], ces[-1])
+    assert torch.allclose(st["lm_loss"], ces[-1]) and torch.equal(st["exit_loss"], loss.detach())
     loss.backward()
     assert all(ln.weight.grad.abs().sum() > 0 for ln in m.exit_ln)
 
@@ -972,3 +978,16 @@ def test_model_init_refusals_and_fresh_state(tmp_path):
     soft = m.head(m.trunk(m.embed(x), "soft")[0], x)[1]
     hard = m.head(m.trunk(m.embed(x), "hard")[0], x)[1]
     assert torch.equal(st["lm_loss"], soft) and abs(soft - hard) > 1e-3  # soft, not hard
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_early_exit_heads_and_eval_flops(bias):
+    """The exit heads' LayerNorms have biases exactly when cfg.bias does (as ln_f); eval's FLOPs
+    saved are counted at the batch's T (8 here; n_embd is 32)."""
+    m = make(mixed=True, variant="early_exit", threshold=0.025, bias=bias).eval()
+    assert [ln.bias is not None for ln in m.exit_ln] == [bias] * 3 and (m.ln_f.bias is None) != bias
+    with torch.no_grad():
+        st = m(ids(T=8))[2]
+    a = st["alpha_hard"]
+    want = 1 - tsa.flops_per_token(m.cfg, 8, a, "exit") / common.dense_flops_per_token(m.cfg, 8)
+    assert 0 < a < 1 and st["flops_saved_hard"].item() == pytest.approx(want.item(), rel=1e-12)
