@@ -991,3 +991,25 @@ def test_early_exit_heads_and_eval_flops(bias):
     a = st["alpha_hard"]
     want = 1 - tsa.flops_per_token(m.cfg, 8, a, "exit") / common.dense_flops_per_token(m.cfg, 8)
     assert 0 < a < 1 and st["flops_saved_hard"].item() == pytest.approx(want.item(), rel=1e-12)
+
+
+def test_calibration_waits_for_its_pass_and_survives_a_saturated_router():
+    """on_step arms the calibration; it happens at the phase's first straight-through pass even
+    when the model is evaluated in between (eval's hard and soft passes leave it armed). A router
+    saturated in fp32 (p = 1 for every token: it claims that none runs) moves b2 by the clamped
+    logit(1 − 1e-6) = 13.802 in fp32 (1 − 1e-6 rounds to 1 − 1.0133e-6), to a finite value at
+    which every token still halts."""
+    m = make(dtype=torch.float32, max_iters=6, hard_ft_iters=3, hard_ft_routers="calibrate")
+    x = ids(B=4)
+    with torch.no_grad():
+        for r in m.routers:
+            r.fc2.bias.fill_(20.0)  # σ(20 ± 0.01) rounds to 1 in fp32
+        m.on_step(3)
+        m.eval()(x, x)
+        assert m.calibrate_now and all(r.fc2.bias.item() == 20.0 for r in m.routers)
+        m.train()(x, x)
+        assert not m.calibrate_now
+        ps = m.trunk(m.embed(x), "hard_st")[1]
+    for r, p in zip(m.routers, ps):
+        assert r.fc2.bias.item() == pytest.approx(20.0 - 13.802, abs=1e-3)
+        assert (p > 0.5).all()
