@@ -1,8 +1,10 @@
 """Tests for tsa.py (Token-Selective Attention). Tiny configs (float64 for exactness tests, the `dev` matrix of
 tests/conftest.py for the model contract); the whole file runs in well under 60 s."""
 import dataclasses
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -483,9 +485,16 @@ def test_cli_refuses_before_any_work(tmp_path, capsys):
             tsa.main(args)
     with pytest.raises(common.NanorouteError, match="'gpt' run"):
         tsa.main(["exit_sweep", str(tmp_path)])
+    tsa_run = tmp_path / "tsa_run"  # a TSA run, not an early-exit one
+    tsa_run.mkdir()
+    common.save_checkpoint(str(tsa_run / "ckpt.pt"), model=tsa.Model(tiny()).state_dict(),
+                           config=dataclasses.asdict(tiny()))
+    with pytest.raises(common.NanorouteError) as e:
+        tsa.main(["exit_sweep", str(tsa_run)])
+    assert str(e.value) == f"exit_sweep needs an early-exit run; {tsa_run} is tsa"
     for args in (["--help"], ["-h"], ["exit_sweep", "--help"]):
         tsa.main(args)
-        assert "exit_sweep RUN_DIR" in capsys.readouterr().out
+        assert capsys.readouterr().out.startswith("usage: python tsa.py exit_sweep RUN_DIR: ")
     r = subprocess.run([sys.executable, "tsa.py", "exit_sweep", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
@@ -789,9 +798,10 @@ def test_sparse_in_training_is_refused(variant):
     assert str(e.value) == "sparse=True is an inference path: call model.eval() first"
 
 
-def test_cli_smoke(data_dir, tmp_path, capsys):
+def test_cli_smoke(data_dir, tmp_path, capsys, monkeypatch):
     """`python train.py --model tsa` end to end (a real subprocess), then the early-exit variant and its
-    threshold sweep in-process (same code path, without paying another torch import on a busy machine)."""
+    threshold sweep in-process (same code path, without paying another torch import on a busy machine):
+    the sweep reads the run's data_dir (not ./data) and flushes each row as it is measured."""
     out = tmp_path / "run"
     args = ["--model", "tsa", "--dataset", "shakespeare", "--max_iters=2", "--n_layer=2", "--n_embd=32",
             "--n_head=2", "--block_size=32", "--batch_size=4", "--eval_iters=1", "--eval_interval=2",
@@ -806,8 +816,15 @@ def test_cli_smoke(data_dir, tmp_path, capsys):
         assert k in ev, k
     import train
     train.main(args + [f"--out_dir={tmp_path / 'ee'}", "--variant=early_exit"])
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # keeps what is not flushed
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.chdir(tmp_path)  # no data/ here
     tsa.main(["exit_sweep", str(tmp_path / "ee")])
-    assert capsys.readouterr().out.count("threshold=") == 13
+    rows = out.buffer.getvalue().decode().splitlines()
+    monkeypatch.undo()
+    assert len(rows) == 13 and rows[0].startswith("threshold=0.1000 ") and all(
+        re.fullmatch(r"threshold=\d\.\d{4} alpha=\d\.\d{4} tlops_saved=\d\.\d{4} val_loss=\d+\.\d{4}",
+                     r) for r in rows), rows
     with pytest.raises(SystemExit) as e:
         train.main(args + ["--lam=-2"])
     err = capsys.readouterr().err
