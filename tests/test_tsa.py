@@ -688,8 +688,9 @@ def test_early_exit_frozen_state():
 
 
 def test_early_exit_trains_on_every_exit():
-    """Training loss = mean over the L exits of CE(lm_head(norm_l(h_l))), computed here independently;
-    targets of -1 (padding) count nowhere. stats: exit_loss (that mean), lm_loss (the last exit's)."""
+    """Training loss = mean over the L exits of CE(lm_head(norm_l(h_l))), computed here
+    independently; targets of -1 (padding) count nowhere. stats: exit_loss (that mean), lm_loss
+    (the last exit's)."""
     torch.manual_seed(0)
     m = tsa.build(tiny(variant="early_exit")).double().train()
     x, y = ids(), ids(seed=3)
@@ -799,9 +800,9 @@ def test_sparse_in_training_is_refused(variant):
 
 
 def test_cli_smoke(data_dir, tmp_path, capsys, monkeypatch):
-    """`python train.py --model tsa` end to end (a real subprocess), then the early-exit variant and its
-    threshold sweep in-process (same code path, without paying another torch import on a busy machine):
-    the sweep reads the run's data_dir (not ./data) and flushes each row as it is measured."""
+    """`python train.py --model tsa` end to end (a real subprocess), then the early-exit variant and
+    its threshold sweep in-process (same code path, without paying another torch import on a busy
+    machine): the sweep reads the run's data_dir (not ./data), flushes each row as measured."""
     out = tmp_path / "run"
     args = ["--model", "tsa", "--dataset", "shakespeare", "--max_iters=2", "--n_layer=2", "--n_embd=32",
             "--n_head=2", "--block_size=32", "--batch_size=4", "--eval_iters=1", "--eval_interval=2",
@@ -822,9 +823,9 @@ def test_cli_smoke(data_dir, tmp_path, capsys, monkeypatch):
     tsa.main(["exit_sweep", str(tmp_path / "ee")])
     rows = out.buffer.getvalue().decode().splitlines()
     monkeypatch.undo()
+    row = r"threshold=\d\.\d{4} alpha=\d\.\d{4} tlops_saved=\d\.\d{4} val_loss=\d+\.\d{4}"
     assert len(rows) == 13 and rows[0].startswith("threshold=0.1000 ") and all(
-        re.fullmatch(r"threshold=\d\.\d{4} alpha=\d\.\d{4} tlops_saved=\d\.\d{4} val_loss=\d+\.\d{4}",
-                     r) for r in rows), rows
+        re.fullmatch(row, r) for r in rows), rows
     with pytest.raises(SystemExit) as e:
         train.main(args + ["--lam=-2"])
     err = capsys.readouterr().err
