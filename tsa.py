@@ -65,7 +65,6 @@ class Config(common.Config):
         rules = [(getattr(self, k) in v, k, f"one of {v}") for k, v in choices.items()] + [
             (self.n_layer >= 2, "n_layer", ">= 2 (a stem and a routed block)"),
             (self.lam >= 0, "lam", ">= 0"),
-            (abs(self.router_bias) < float("inf"), "router_bias", "finite"),
             (0.0 <= self.threshold <= 1.0, "threshold", "in [0, 1]"),
             (self.hard_ft_iters >= 0, "hard_ft_iters", ">= 0"),
             (0.0 <= self.exec_share <= 1.0, "exec_share", "in [0, 1]"),

@@ -1,8 +1,10 @@
 """Tests for tsa.py (Token-Selective Attention). Tiny configs (float64 for exactness tests, the `dev` matrix of
 tests/conftest.py for the model contract); the whole file runs in well under 60 s."""
 import dataclasses
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -483,9 +485,16 @@ def test_cli_refuses_before_any_work(tmp_path, capsys):
             tsa.main(args)
     with pytest.raises(common.NanorouteError, match="'gpt' run"):
         tsa.main(["exit_sweep", str(tmp_path)])
+    tsa_run = tmp_path / "tsa_run"  # a TSA run, not an early-exit one
+    tsa_run.mkdir()
+    common.save_checkpoint(str(tsa_run / "ckpt.pt"), model=tsa.Model(tiny()).state_dict(),
+                           config=dataclasses.asdict(tiny()))
+    with pytest.raises(common.NanorouteError) as e:
+        tsa.main(["exit_sweep", str(tsa_run)])
+    assert str(e.value) == f"exit_sweep needs an early-exit run; {tsa_run} is tsa"
     for args in (["--help"], ["-h"], ["exit_sweep", "--help"]):
         tsa.main(args)
-        assert "exit_sweep RUN_DIR" in capsys.readouterr().out
+        assert capsys.readouterr().out.startswith("usage: python tsa.py exit_sweep RUN_DIR: ")
     r = subprocess.run([sys.executable, "tsa.py", "exit_sweep", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
@@ -655,6 +664,8 @@ def test_early_exit_frozen_state():
     m = tsa.build(tiny(variant="early_exit")).double().eval()
     with torch.no_grad():
         m.wte.weight.mul_(10)  # sharper exit heads
+        m.ln_f.weight.uniform_(0.5, 1.5)  # the last exit's norm differs from exit 0's: a token
+        # that exited keeps the logits of its own exit head, not the last head's on its state
         x = ids(B=2)
         full = m(x)[0]
         conf0 = m.lm_head(m.exit_norm(0)(m.blocks[0](m.embed(x)))).softmax(-1).amax(-1)
@@ -677,18 +688,23 @@ def test_early_exit_frozen_state():
 
 
 def test_early_exit_trains_on_every_exit():
-    """Training loss = mean over the L exits of CE(lm_head(norm_l(h_l))), computed here independently."""
+    """Training loss = mean over the L exits of CE(lm_head(norm_l(h_l))), computed here
+    independently; targets of -1 (padding) count nowhere. stats: exit_loss (that mean), lm_loss
+    (the last exit's)."""
     torch.manual_seed(0)
     m = tsa.build(tiny(variant="early_exit")).double().train()
     x, y = ids(), ids(seed=3)
+    y[:, :5] = -1
+    keep = y.flatten() >= 0
     _, loss, st = m(x, y)
     h, ces = m.embed(x), []
     for l, block in enumerate(m.blocks):
         h = block(h)
         norm = m.exit_ln[l] if l < len(m.exit_ln) else m.ln_f
-        ces.append(F.cross_entropy((norm(h) @ m.wte.weight.T).flatten(0, 1).float(), y.flatten()))
+        z = (norm(h) @ m.wte.weight.T).flatten(0, 1)[keep]
+        ces.append(F.cross_entropy(z.float(), y.flatten()[keep]))
     assert torch.allclose(loss, torch.stack(ces).mean(), atol=1e-6)
-    assert torch.allclose(st["lm_loss"], ces[-1])
+    assert torch.allclose(st["lm_loss"], ces[-1]) and torch.equal(st["exit_loss"], loss.detach())
     loss.backward()
     assert all(ln.weight.grad.abs().sum() > 0 for ln in m.exit_ln)
 
@@ -747,22 +763,46 @@ def test_presets():
     assert (paper.n_layer, paper.n_embd, paper.n_head, paper.batch_size, paper.max_iters) == (6, 256, 8, 64, 5000)
 
 
-def test_bad_config_is_one_line_error():
-    for bad in (dict(hard_variant="x"), dict(variant="moe"), dict(lam=-1.0), dict(lam=float("nan")),
-                dict(n_layer=1), dict(threshold=2.0), dict(hard_ft_iters=-1), dict(router_bias=float("inf")),
-                dict(hard_ft_routers="freeze"), dict(hard_ft_lr=-1.0), dict(hard_ft_lr=1e-9),
-                dict(hard_ft_lr=float("nan")), dict(exec_share=1.5, hard_ft_routers="calibrate"),
-                dict(exec_share=-0.1, hard_ft_routers="calibrate"), dict(exec_share=0.5)):
-        with pytest.raises(common.NanorouteError):
-            tiny(**bad)
-    m = make().eval()
-    with pytest.raises(common.NanorouteError):
-        m.train()(ids(), sparse=True)
+BAD_CONFIGS = [  # (field=value, the exact refusal: one line, naming the field and the rule)
+    (dict(hard_variant="x"), "hard_variant must be one of ('01', 'scaled'), got 'x'"),
+    (dict(variant="moe"), "variant must be one of ('tsa', 'early_exit'), got 'moe'"),
+    (dict(hard_ft_routers="freeze"),
+     "hard_ft_routers must be one of ('train', 'frozen', 'calibrate', 'soft'), got 'freeze'"),
+    (dict(lam=-1.0), "lam must be >= 0, got -1.0"),
+    (dict(lam=float("nan")), "lam must be a finite number, got nan"),  # common.Config's check
+    (dict(n_layer=1), "n_layer must be >= 2 (a stem and a routed block), got 1"),
+    (dict(threshold=2.0), "threshold must be in [0, 1], got 2.0"),
+    (dict(threshold=-0.5), "threshold must be in [0, 1], got -0.5"),
+    (dict(hard_ft_iters=-1), "hard_ft_iters must be >= 0, got -1"),
+    (dict(router_bias=float("inf")), "router_bias must be a finite number, got inf"),
+    (dict(router_bias=float("-inf")), "router_bias must be a finite number, got -inf"),
+    (dict(hard_ft_lr=-1.0), "hard_ft_lr must be 0 (off) or >= min_lr=0.0001, got -1.0"),
+    (dict(hard_ft_lr=1e-9), "hard_ft_lr must be 0 (off) or >= min_lr=0.0001, got 1e-09"),
+    (dict(hard_ft_lr=float("nan")), "hard_ft_lr must be a finite number, got nan"),
+    (dict(exec_share=1.5, hard_ft_routers="calibrate"), "exec_share must be in [0, 1], got 1.5"),
+    (dict(exec_share=-0.1, hard_ft_routers="calibrate"), "exec_share must be in [0, 1], got -0.1"),
+    (dict(exec_share=0.5), "exec_share must be 0 unless hard_ft_routers='calibrate', got 0.5")]
 
 
-def test_cli_smoke(data_dir, tmp_path, capsys):
-    """`python train.py --model tsa` end to end (a real subprocess), then the early-exit variant and its
-    threshold sweep in-process (same code path, without paying another torch import on a busy machine)."""
+@pytest.mark.parametrize("bad, message", BAD_CONFIGS, ids=[next(iter(b)) for b, _ in BAD_CONFIGS])
+def test_bad_config_is_one_line_error(bad, message):
+    with pytest.raises(common.NanorouteError) as e:
+        tiny(**bad)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("variant", ["tsa", "early_exit"])
+def test_sparse_in_training_is_refused(variant):
+    m = make(variant=variant).train()
+    with pytest.raises(common.NanorouteError) as e:
+        m(ids(), sparse=True)
+    assert str(e.value) == "sparse=True is an inference path: call model.eval() first"
+
+
+def test_cli_smoke(data_dir, tmp_path, capsys, monkeypatch):
+    """`python train.py --model tsa` end to end (a real subprocess), then the early-exit variant and
+    its threshold sweep in-process (same code path, without paying another torch import on a busy
+    machine): the sweep reads the run's data_dir (not ./data), flushes each row as measured."""
     out = tmp_path / "run"
     args = ["--model", "tsa", "--dataset", "shakespeare", "--max_iters=2", "--n_layer=2", "--n_embd=32",
             "--n_head=2", "--block_size=32", "--batch_size=4", "--eval_iters=1", "--eval_interval=2",
@@ -777,8 +817,15 @@ def test_cli_smoke(data_dir, tmp_path, capsys):
         assert k in ev, k
     import train
     train.main(args + [f"--out_dir={tmp_path / 'ee'}", "--variant=early_exit"])
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # keeps what is not flushed
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.chdir(tmp_path)  # no data/ here
     tsa.main(["exit_sweep", str(tmp_path / "ee")])
-    assert capsys.readouterr().out.count("threshold=") == 13
+    rows = out.buffer.getvalue().decode().splitlines()
+    monkeypatch.undo()
+    row = r"threshold=\d\.\d{4} alpha=\d\.\d{4} tlops_saved=\d\.\d{4} val_loss=\d+\.\d{4}"
+    assert len(rows) == 13 and rows[0].startswith("threshold=0.1000 ") and all(
+        re.fullmatch(row, r) for r in rows), rows
     with pytest.raises(SystemExit) as e:
         train.main(args + ["--lam=-2"])
     err = capsys.readouterr().err
@@ -916,3 +963,71 @@ def test_flops_defaults():
     cfg = tiny()
     assert tsa.flops_per_token(cfg, 32) == common.dense_flops_per_token(cfg, 32)
     assert tsa.flops_per_token(cfg, 32, mode="ffn") == tsa.flops_per_token(cfg, 32, 1.0, "ffn")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_model_init_refusals_and_fresh_state(tmp_path):
+    """tsa.Model refuses the early-exit variant (tsa.build picks the class). Under DDP (a real
+    one-process gloo group here) a phase whose routers get no gradient is refused before any work,
+    as DDP would fail on them mid-run; the other phases build. A fresh model trains soft, no
+    calibration pending, until on_step says otherwise."""
+    with pytest.raises(common.NanorouteError) as e:
+        tsa.Model(tiny(variant="early_exit"))
+    assert str(e.value) == "variant='early_exit': build it with tsa.build(cfg)"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                                         world_size=1)
+    try:
+        for routers in ("frozen", "calibrate"):
+            with pytest.raises(common.NanorouteError) as e:
+                tsa.Model(tiny(hard_ft_routers=routers, hard_ft_iters=5))
+            assert str(e.value) == (f"hard_ft_routers={routers} leaves routers without gradients,"
+                                    " which DDP refuses: use one process or 'train'")
+        for ok in (dict(hard_ft_routers="frozen", hard_ft_iters=0),
+                   dict(hard_ft_routers="train", hard_ft_iters=5),
+                   dict(hard_ft_routers="soft", hard_ft_iters=5)):
+            tsa.Model(tiny(**ok))
+    finally:
+        torch.distributed.destroy_process_group()
+    tsa.Model(tiny(hard_ft_routers="frozen", hard_ft_iters=5))  # one process: no DDP, fine
+    m = make(mixed=True, max_iters=10, hard_ft_iters=5, hard_ft_routers="calibrate").train()
+    assert m.hard_train is False and m.calibrate_now is False
+    x = ids()
+    st = m(x, x)[2]
+    soft = m.head(m.trunk(m.embed(x), "soft")[0], x)[1]
+    hard = m.head(m.trunk(m.embed(x), "hard")[0], x)[1]
+    assert torch.equal(st["lm_loss"], soft) and abs(soft - hard) > 1e-3  # soft, not hard
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_early_exit_heads_and_eval_flops(bias):
+    """The exit heads' LayerNorms have biases exactly when cfg.bias does (as ln_f); eval's FLOPs
+    saved are counted at the batch's T (8 here; n_embd is 32)."""
+    m = make(mixed=True, variant="early_exit", threshold=0.025, bias=bias).eval()
+    assert [ln.bias is not None for ln in m.exit_ln] == [bias] * 3 and (m.ln_f.bias is None) != bias
+    with torch.no_grad():
+        st = m(ids(T=8))[2]
+    a = st["alpha_hard"]
+    want = 1 - tsa.flops_per_token(m.cfg, 8, a, "exit") / common.dense_flops_per_token(m.cfg, 8)
+    assert 0 < a < 1 and st["flops_saved_hard"].item() == pytest.approx(want.item(), rel=1e-12)
+
+
+def test_calibration_waits_for_its_pass_and_survives_a_saturated_router():
+    """on_step arms the calibration; it happens at the phase's first straight-through pass even
+    when the model is evaluated in between (eval's hard and soft passes leave it armed). A router
+    saturated in fp32 (p = 1 for every token: it claims that none runs) moves b2 by the clamped
+    logit(1 − 1e-6) = 13.802 in fp32 (1 − 1e-6 rounds to 1 − 1.0133e-6), to a finite value at
+    which every token still halts."""
+    m = make(dtype=torch.float32, max_iters=6, hard_ft_iters=3, hard_ft_routers="calibrate")
+    x = ids(B=4)
+    with torch.no_grad():
+        for r in m.routers:
+            r.fc2.bias.fill_(20.0)  # σ(20 ± 0.01) rounds to 1 in fp32
+        m.on_step(3)
+        m.eval()(x, x)
+        assert m.calibrate_now and all(r.fc2.bias.item() == 20.0 for r in m.routers)
+        m.train()(x, x)
+        assert not m.calibrate_now
+        ps = m.trunk(m.embed(x), "hard_st")[1]
+    for r, p in zip(m.routers, ps):
+        assert r.fc2.bias.item() == pytest.approx(20.0 - 13.802, abs=1e-3)
+        assert (p > 0.5).all()
