@@ -156,9 +156,17 @@ def test_fla_decode_step_agrees_with_the_reference_step(B):
         assert all(rel(a, b) < tol for a, b in zip(S_fla, S_ref))
 
 
-def test_use_fla_falls_back_to_the_chunked_reference_where_fla_cannot_run():
-    """use_fla=True (the default) takes fla's kernels only on CUDA with fla installed; elsewhere the model is the
-    same function as with use_fla=False (the pure-PyTorch chunked form and decode step)."""
+@pytest.mark.parametrize("fla_installed", [False, True])
+def test_use_fla_falls_back_to_the_chunked_reference_where_fla_cannot_run(monkeypatch,
+                                                                         fla_installed):
+    """use_fla=True (the default) takes fla's kernels only on CUDA with fla installed; elsewhere the
+    model is the same function as with use_fla=False (the pure-PyTorch chunked form and decode
+    step). fla_installed: its kernels importable (stand-ins that fail if called), tensors on CPU."""
+    if fla_installed:
+        def not_on_cpu(*args, **kwargs):
+            raise AssertionError("fla's CUDA kernel called on CPU tensors")
+        monkeypatch.setattr(H, "_fla_chunk", not_on_cpu)
+        monkeypatch.setattr(H, "_fla_recurrent", not_on_cpu)
     torch.manual_seed(0)
     a, b = H.Model(tiny(use_fla=True)).eval(), H.Model(tiny(use_fla=False)).eval()
     b.load_state_dict(a.state_dict())
@@ -205,21 +213,24 @@ def gdn_reference(gdn, x):
     return torch.stack(ys, 1)                                        # (B, T, C)
 
 
-def reference_layer(seed=0, **kw):
+def reference_layer(seed=0, qk_scale=1.0, **kw):
     torch.manual_seed(seed)
     cfg = tiny(n_head=2, n_embd=16, **kw)
     gdn = H.GatedDeltaNet(cfg).double()
     gdn.reset_gdn_parameters()
     with torch.no_grad():  # heads with different scales: a norm over all heads is not one per head
         gdn.qkv_proj.weight.mul_(torch.linspace(0.5, 4.0, gdn.qkv_proj.weight.size(0), dtype=torch.float64)[:, None])
+        gdn.qkv_proj.weight[:2 * gdn.H * gdn.K].mul_(qk_scale)  # the q and k rows
         gdn.norm_weight.copy_(torch.linspace(0.5, 1.5, gdn.V))
         gdn.b_proj.weight.mul_(30)  # β spread over (0, 1), not ≈ 0.5
     return gdn
 
 
 @pytest.mark.parametrize("path", ["chunked", "step"])
-def test_gdn_layer_matches_equations_float64(path):
-    gdn = reference_layer()
+@pytest.mark.parametrize("qk_scale", [1.0, 1e-7])
+def test_gdn_layer_matches_equations_float64(path, qk_scale):
+    """qk_scale 1e-7: ‖q‖, ‖k‖ ~ 1e-8, below the L2 norm's ε = 1e-6, which then sets their size."""
+    gdn = reference_layer(qk_scale=qk_scale)
     x = torch.randn(2, 19, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref = gdn_reference(gdn, x)
     with torch.no_grad():
@@ -723,7 +734,7 @@ def test_router_and_gdn_gates_run_in_fp32_under_bf16_autocast(monkeypatch):
     rule = H.gated_delta_rule_chunked
 
     def spy(q, k, v, g, beta, **kw):
-        seen.update(g=g, beta=beta)
+        seen.update(q=q, k=k, g=g, beta=beta, kw=kw)
         return rule(q, k, v, g, beta, **kw)
 
     monkeypatch.setattr(H, "gated_delta_rule_chunked", spy)
@@ -732,6 +743,8 @@ def test_router_and_gdn_gates_run_in_fp32_under_bf16_autocast(monkeypatch):
         gdn.write(h)
         a, b = gdn.a_proj(h), gdn.b_proj(h)  # the projections as autocast runs them (bf16)
     assert seen["g"].dtype == seen["beta"].dtype == torch.float32
+    assert seen["q"].dtype == seen["k"].dtype == torch.float32  # normalised in fp32, not bf16
+    assert seen["kw"] == {"chunk_size": 8, "output_final_state": False}  # cfg's chunk; no cache
     g = (-gdn.A_log.exp() * F.softplus(a.float() + gdn.dt_bias)).mT
     assert torch.allclose(seen["g"], g, rtol=1e-6, atol=0)
     assert torch.allclose(seen["beta"], torch.sigmoid(b.float()).mT, rtol=1e-6, atol=0)
