@@ -56,6 +56,39 @@ def test_chunked_equals_recurrent_float32():
     assert rel(o2, o1) < 1e-5 and rel(s2, s1) < 1e-5
 
 
+def test_chunked_defaults_and_no_final_state_on_request():
+    """The default chunk is the Config's 64 (fla's too); output_final_state=False returns no state."""
+    import inspect
+    default = inspect.signature(H.gated_delta_rule_chunked).parameters["chunk_size"].default
+    assert default == H.Config.chunk_size == 64
+    q, k, v, g, beta, S0 = gdr_inputs(T=9)
+    o, S = H.gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=4, initial_state=S0,
+                                      output_final_state=False)
+    assert S is None and torch.equal(o, H.gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=4,
+                                                                   initial_state=S0)[0])
+
+
+@pytest.mark.parametrize("fn", ["recurrent", "chunked"])
+@pytest.mark.parametrize("case", ["state_f64", "state_bf16", "default_dtype_f64"])
+def test_rules_compute_in_the_inputs_dtype(fn, case):
+    """fp32 q, k, v: a state given in another dtype is converted, and torch's default dtype
+    (set_default_dtype(float64), as for a gradcheck) changes nothing: fp32 out, the same values."""
+    q, k, v, g, beta, S0 = (t.float() for t in gdr_inputs(T=9))
+    rule = H.gated_delta_rule_recurrent if fn == "recurrent" else \
+        (lambda *a, **kw: H.gated_delta_rule_chunked(*a, chunk_size=4, **kw))
+    given = {"state_f64": S0.double(), "state_bf16": S0.bfloat16()}.get(case, S0)
+    want_o, want_S = rule(q, k, v, g, beta, initial_state=given.float())
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if case == "default_dtype_f64" else before)
+    try:
+        o, S = rule(q, k, v, g, beta, initial_state=given)
+    finally:
+        torch.set_default_dtype(before)
+    assert o.dtype == S.dtype == torch.float32
+    assert torch.allclose(o, want_o, rtol=1e-6, atol=1e-6) and torch.allclose(S, want_S, rtol=1e-6,
+                                                                                atol=1e-6)
+
+
 def test_recurrence_matches_hand_computation():
     """One head, 2 steps, K = V = 1: S1 = β1 v1 k1, S2 = e^{g2} S1 + k2 β2 (v2 − e^{g2} S1 k2)."""
     k1, k2, v1, v2, b1, b2, g2 = 0.6, -0.8, 1.5, -2.0, 0.3, 0.7, -0.5
