@@ -362,6 +362,9 @@ def test_train_balance_uses_hard_fractions_and_noise_free_probabilities():
     assert 0 < f[:, 0].min() and f[:, 0].max() < 1  # both mixers used: P and f are not interchangeable
     assert torch.isclose(stats["balance"], (2 * (f * P).sum(-1)).mean(), atol=1e-6)
     assert torch.isclose(loss, stats["lm_loss"] + 0.01 * stats["balance"])
+    assert set(stats) == {"lm_loss", "skip_l1", "gdn_frac_l1", "skip_l2", "gdn_frac_l2", "skipped",
+                          "tau", "flops_saved_hard", "balance"}  # train.py logs each by its key
+    assert torch.equal(stats["tau"], m.tau)
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.3])
@@ -435,6 +438,8 @@ def test_eval_stats_contract(monkeypatch):
         common.dense_flops_per_token(m.cfg, 32)
     assert abs(st["flops_saved_hard"].item() - want) < 1e-6
     assert all(torch.is_tensor(v) and v.numel() == 1 and not v.requires_grad for v in st.values())
+    assert set(st) == {"lm_loss", "skip_l1", "gdn_frac_l1", "skip_l2", "gdn_frac_l2", "skipped",
+                       "flops_saved_hard", "soft_loss", "balance"}  # no τ in eval
 
 
 def test_static_pattern_has_no_router_or_routing_stats():
@@ -572,8 +577,9 @@ def test_flops_saved_at_known_shares_and_B_gt_1():
 
 
 def test_sparse_in_train_mode_is_an_error():
-    with pytest.raises(NanorouteError, match="eval"):
+    with pytest.raises(NanorouteError) as e:
         H.Model(tiny())(torch.zeros(1, 4, dtype=torch.long), sparse=True)
+    assert str(e.value) == "sparse=True is the inference path: call model.eval() first"
 
 
 @pytest.mark.parametrize("mode", ["train", "eval", "sparse"])
@@ -623,9 +629,13 @@ def test_prefill_matches_the_window_reference_at_every_prefix():
     torch.manual_seed(0)
     m = H.Model(tiny(block_size=16)).double().eval()
     x = torch.randint(0, 40, (2, 16))
+    head_rows = []  # prefill runs the LM head on the last position only (T×V logits at 49k vocab)
+    m.lm_head.register_forward_hook(lambda mod, inp, out: head_rows.append(inp[0].size(1)))
     with torch.no_grad():
         for n in (1, 2, 7, 16):
+            head_rows.clear()
             logits, (caches, pos) = m.prefill(x[:, :n])
+            assert head_rows == [1]
             assert pos == n and torch.allclose(logits, m(x[:, :n])[0][:, -1], atol=1e-10)
 
 
