@@ -682,6 +682,36 @@ def test_all_softmax_pattern_loads_dense_gpt_weights():
     assert torch.allclose(m(x)[0], gpt(x)[0], atol=1e-6)
 
 
+def test_biases_follow_cfg_bias():
+    """bias=True (GPT-2's): every LayerNorm (the router's too) and every c_attn, c_fc, c_proj
+    (GDN's W_o too) has a bias; bias=False: none. The GDN's W_qkv, W_a, W_b, W_g, its conv and the
+    router never have one (Yang et al.; §2.2)."""
+    for bias in (False, True):
+        m = H.Model(tiny(bias=bias))
+        got = {n.rsplit(".", 1)[0] for n, _ in m.named_parameters() if n.endswith(".bias")}
+        want = {n for n, mod in m.named_modules() if isinstance(mod, torch.nn.LayerNorm)
+                or n.rsplit(".", 1)[-1] in ("c_attn", "c_fc", "c_proj")}
+        assert got == (want if bias else set()) and len(want) == 27  # 10 norms, 17 c_*
+        assert "ln_r" in want and "blocks.0.gdn.c_proj" in want
+
+
+def test_dropout_only_in_training(monkeypatch):
+    """dropout > 0: eval (dense, sparse, decode) is the dropout-free model; training drops."""
+    torch.manual_seed(0)
+    m = H.Model(tiny(dropout=0.5)).eval()
+    ref = H.Model(tiny(dropout=0.0)).eval()
+    ref.load_state_dict(m.state_dict())
+    x = torch.randint(0, 40, (2, 16))
+    with torch.no_grad():
+        want = ref(x)[0]
+        assert torch.equal(m(x)[0], want) and torch.allclose(m(x, sparse=True)[0], want, atol=1e-5)
+        logits, state = m.prefill(x[:, :15])
+        assert torch.allclose(m.step(x[:, 15:], state)[0], want[:, -1], atol=1e-5)
+    monkeypatch.setattr(H, "gumbel_like", torch.zeros_like)  # the same routes in both calls
+    m.train()
+    assert not torch.equal(m(x)[0], m(x)[0])
+
+
 def test_flops_accounting():
     cfg = tiny()
     dense_hard = H.flops_per_token(cfg, 32)
