@@ -526,6 +526,13 @@ def test_sparse_really_skips_and_equals_dense_forced(monkeypatch):
         queries.clear()
         sparse = m(x, sparse=True)[0]
         assert queries == [32] and torch.allclose(sparse, m(x)[0], atol=1e-10)
+    writes = []  # everybody routed to softmax, no cache to fill: the routed layers write no GDN state
+    for i in (1, 2):
+        m.blocks[i].gdn.qkv_proj.register_forward_hook(lambda mod, inp, out: writes.append(i))
+    m.forced_route = torch.ones(3, 32, 2, dtype=torch.bool)
+    with torch.no_grad():
+        sparse = m(x, sparse=True)[0]
+        assert writes == [] and torch.allclose(sparse, m(x)[0], atol=1e-10)
 
 
 @pytest.mark.parametrize("B", [1, 2])
@@ -549,6 +556,34 @@ def test_a_tie_goes_to_gdn_in_every_path(monkeypatch, B):
     monkeypatch.setattr(H, "gumbel_like", torch.zeros_like)
     _, _, st = m.train()(x, x)
     assert all(st[f"gdn_frac_l{i}"] == 1 for i in m.routed)
+
+
+def test_b1_decode_step_reads_through_the_chosen_mixer_only(monkeypatch):
+    """B = 1 (how users decode): a routed layer's step runs one read, the chosen one (§2.2's
+    inference rule: GDN's RMSNorm, W_g, W_o or softmax's Q, scores, W_o), and decodes as the full
+    forward does."""
+    torch.manual_seed(0)
+    m = H.Model(tiny()).eval()
+    forced = torch.rand(1, 24, 2, generator=torch.Generator().manual_seed(2)) < 0.5
+    assert forced[0, 6:].any(0).all() and not forced[0, 6:].all(0).any()  # both reads, each layer
+    m.forced_route = forced
+    reads = []
+    gdn_read, attend = H.GatedDeltaNet.read, common.CausalSelfAttention.attend
+    monkeypatch.setattr(H.GatedDeltaNet, "read",
+                        lambda self, *a: reads.append(self) or gdn_read(self, *a))
+    monkeypatch.setattr(common.CausalSelfAttention, "attend",
+                        lambda self, *a, **kw: reads.append(self) or attend(self, *a, **kw))
+    x = torch.randint(0, 40, (1, 24))
+    with torch.no_grad():
+        full = m(x)[0]
+        logits, state = m.prefill(x[:, :6])
+        for t in range(6, 24):
+            reads.clear()
+            logits, state = m.step(x[:, t:t + 1], state)
+            routed = [m.blocks[i].attn if forced[0, t, r] else m.blocks[i].gdn
+                      for r, i in enumerate(m.routed)]
+            assert reads == [m.blocks[0].gdn, *routed, m.blocks[3].attn]
+            assert torch.allclose(logits, full[:, t], atol=1e-5)
 
 
 def test_flops_saved_at_known_shares_and_B_gt_1():
