@@ -759,10 +759,48 @@ def test_flops_accounting():
     assert H.flops_per_token(cfg, 32, [0.0, 1.0], sparse=True) == pytest.approx(
         (H.flops_per_token(cfg, 32, 0.0, sparse=True) + H.flops_per_token(cfg, 32, 1.0, sparse=True)) / 2)
     static_gdn = H.flops_per_token(tiny(pattern="G G G S"), 32)
+    assert H.flops_per_token(cfg, 32, sparse=True) == H.flops_per_token(cfg, 32, 0.0, sparse=True)
     assert H.flops_per_token(cfg, 32, 0.0, sparse=True) - static_gdn == pytest.approx(2 * (4 * d * d + 2 * d * 2))
 
 
+def test_train_flops_per_token_by_value():
+    """Training runs both mixers of every routed layer and its router, whatever the routes. Tiny
+    G R R S at T = 32 (d = 32, 2 heads, K = V = 16): LM head 2·32·40; MLPs 4·16384; GDN write
+    10240 + read 4096 (layers 0-2); softmax 10304 (layers 1-3); router 2·32·2 (layers 1, 2)."""
+    m = H.Model(tiny())
+    for stats in (None, {"skipped": torch.tensor(0.9)}):
+        got = m.train_flops_per_token(32, stats)
+        assert type(got) is float and got == 2560 + 4 * 16384 + 3 * 14336 + 3 * 10304 + 2 * 128
+
+
+def test_gumbel_noise_is_standard_gumbel():
+    """γ = −log E, E ~ Exp(1): P(γ ≤ x) = exp(−e^{−x}), mean Euler's γ ≈ 0.5772 (200k draws:
+    the CDF's standard error ~0.001)."""
+    torch.manual_seed(0)
+    z = torch.zeros(1000, 200)
+    g = H.gumbel_like(z)
+    assert g.shape == z.shape and g.dtype == z.dtype and torch.isfinite(g).all()
+    for x in (-1.0, 0.0, 1.0, 3.0):
+        assert (g <= x).float().mean().item() == pytest.approx(math.exp(-math.exp(-x)), abs=0.005)
+    assert g.mean().item() == pytest.approx(0.5772, abs=0.01)
+
+
 # ---------------------------------------------------------------- CLI
+
+@pytest.mark.parametrize("argv", [[], ["-h"], ["--help"]])
+def test_main_prints_its_usage(capsys, argv):
+    H.main(argv)
+    out = capsys.readouterr()
+    assert out.out == H.USAGE + "\n" and not out.err
+    assert out.out.startswith("usage: python hybrid_attn.py [-h]\n")
+
+
+@pytest.mark.parametrize("argv", [["--bogus=1", "x"], ["-H"], ["--help", "-h"]])
+def test_main_refuses_any_argument_but_help(capsys, argv):
+    with pytest.raises(NanorouteError) as e:
+        H.main(argv)
+    assert str(e.value) == f"unrecognized arguments: {' '.join(argv)} (see --help)"
+    assert capsys.readouterr().out == ""
 
 def test_cli_smoke(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
