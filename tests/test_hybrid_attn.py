@@ -56,6 +56,39 @@ def test_chunked_equals_recurrent_float32():
     assert rel(o2, o1) < 1e-5 and rel(s2, s1) < 1e-5
 
 
+def test_chunked_defaults_and_no_final_state_on_request():
+    """The default chunk is the Config's 64 (fla's too); output_final_state=False returns no state."""
+    import inspect
+    default = inspect.signature(H.gated_delta_rule_chunked).parameters["chunk_size"].default
+    assert default == H.Config.chunk_size == 64
+    q, k, v, g, beta, S0 = gdr_inputs(T=9)
+    o, S = H.gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=4, initial_state=S0,
+                                      output_final_state=False)
+    assert S is None and torch.equal(o, H.gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=4,
+                                                                   initial_state=S0)[0])
+
+
+@pytest.mark.parametrize("fn", ["recurrent", "chunked"])
+@pytest.mark.parametrize("case", ["state_f64", "state_bf16", "default_dtype_f64"])
+def test_rules_compute_in_the_inputs_dtype(fn, case):
+    """fp32 q, k, v: a state given in another dtype is converted, and torch's default dtype
+    (set_default_dtype(float64), as for a gradcheck) changes nothing: fp32 out, the same values."""
+    q, k, v, g, beta, S0 = (t.float() for t in gdr_inputs(T=9))
+    rule = H.gated_delta_rule_recurrent if fn == "recurrent" else \
+        (lambda *a, **kw: H.gated_delta_rule_chunked(*a, chunk_size=4, **kw))
+    given = {"state_f64": S0.double(), "state_bf16": S0.bfloat16()}.get(case, S0)
+    want_o, want_S = rule(q, k, v, g, beta, initial_state=given.float())
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if case == "default_dtype_f64" else before)
+    try:
+        o, S = rule(q, k, v, g, beta, initial_state=given)
+    finally:
+        torch.set_default_dtype(before)
+    assert o.dtype == S.dtype == torch.float32
+    assert torch.allclose(o, want_o, rtol=1e-6, atol=1e-6) and torch.allclose(S, want_S, rtol=1e-6,
+                                                                                atol=1e-6)
+
+
 def test_recurrence_matches_hand_computation():
     """One head, 2 steps, K = V = 1: S1 = β1 v1 k1, S2 = e^{g2} S1 + k2 β2 (v2 − e^{g2} S1 k2)."""
     k1, k2, v1, v2, b1, b2, g2 = 0.6, -0.8, 1.5, -2.0, 0.3, 0.7, -0.5
@@ -156,9 +189,17 @@ def test_fla_decode_step_agrees_with_the_reference_step(B):
         assert all(rel(a, b) < tol for a, b in zip(S_fla, S_ref))
 
 
-def test_use_fla_falls_back_to_the_chunked_reference_where_fla_cannot_run():
-    """use_fla=True (the default) takes fla's kernels only on CUDA with fla installed; elsewhere the model is the
-    same function as with use_fla=False (the pure-PyTorch chunked form and decode step)."""
+@pytest.mark.parametrize("fla_installed", [False, True])
+def test_use_fla_falls_back_to_the_chunked_reference_where_fla_cannot_run(monkeypatch,
+                                                                         fla_installed):
+    """use_fla=True (the default) takes fla's kernels only on CUDA with fla installed; elsewhere the
+    model is the same function as with use_fla=False (the pure-PyTorch chunked form and decode
+    step). fla_installed: its kernels importable (stand-ins that fail if called), tensors on CPU."""
+    if fla_installed:
+        def not_on_cpu(*args, **kwargs):
+            raise AssertionError("fla's CUDA kernel called on CPU tensors")
+        monkeypatch.setattr(H, "_fla_chunk", not_on_cpu)
+        monkeypatch.setattr(H, "_fla_recurrent", not_on_cpu)
     torch.manual_seed(0)
     a, b = H.Model(tiny(use_fla=True)).eval(), H.Model(tiny(use_fla=False)).eval()
     b.load_state_dict(a.state_dict())
@@ -205,21 +246,24 @@ def gdn_reference(gdn, x):
     return torch.stack(ys, 1)                                        # (B, T, C)
 
 
-def reference_layer(seed=0, **kw):
+def reference_layer(seed=0, qk_scale=1.0, **kw):
     torch.manual_seed(seed)
     cfg = tiny(n_head=2, n_embd=16, **kw)
     gdn = H.GatedDeltaNet(cfg).double()
     gdn.reset_gdn_parameters()
     with torch.no_grad():  # heads with different scales: a norm over all heads is not one per head
         gdn.qkv_proj.weight.mul_(torch.linspace(0.5, 4.0, gdn.qkv_proj.weight.size(0), dtype=torch.float64)[:, None])
+        gdn.qkv_proj.weight[:2 * gdn.H * gdn.K].mul_(qk_scale)  # the q and k rows
         gdn.norm_weight.copy_(torch.linspace(0.5, 1.5, gdn.V))
         gdn.b_proj.weight.mul_(30)  # β spread over (0, 1), not ≈ 0.5
     return gdn
 
 
 @pytest.mark.parametrize("path", ["chunked", "step"])
-def test_gdn_layer_matches_equations_float64(path):
-    gdn = reference_layer()
+@pytest.mark.parametrize("qk_scale", [1.0, 1e-7])
+def test_gdn_layer_matches_equations_float64(path, qk_scale):
+    """qk_scale 1e-7: ‖q‖, ‖k‖ ~ 1e-8, below the L2 norm's ε = 1e-6, which then sets their size."""
+    gdn = reference_layer(qk_scale=qk_scale)
     x = torch.randn(2, 19, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref = gdn_reference(gdn, x)
     with torch.no_grad():
@@ -318,6 +362,9 @@ def test_train_balance_uses_hard_fractions_and_noise_free_probabilities():
     assert 0 < f[:, 0].min() and f[:, 0].max() < 1  # both mixers used: P and f are not interchangeable
     assert torch.isclose(stats["balance"], (2 * (f * P).sum(-1)).mean(), atol=1e-6)
     assert torch.isclose(loss, stats["lm_loss"] + 0.01 * stats["balance"])
+    assert set(stats) == {"lm_loss", "skip_l1", "gdn_frac_l1", "skip_l2", "gdn_frac_l2", "skipped",
+                          "tau", "flops_saved_hard", "balance"}  # train.py logs each by its key
+    assert torch.equal(stats["tau"], m.tau)
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.3])
@@ -391,6 +438,8 @@ def test_eval_stats_contract(monkeypatch):
         common.dense_flops_per_token(m.cfg, 32)
     assert abs(st["flops_saved_hard"].item() - want) < 1e-6
     assert all(torch.is_tensor(v) and v.numel() == 1 and not v.requires_grad for v in st.values())
+    assert set(st) == {"lm_loss", "skip_l1", "gdn_frac_l1", "skip_l2", "gdn_frac_l2", "skipped",
+                       "flops_saved_hard", "soft_loss", "balance"}  # no τ in eval
 
 
 def test_static_pattern_has_no_router_or_routing_stats():
@@ -477,6 +526,13 @@ def test_sparse_really_skips_and_equals_dense_forced(monkeypatch):
         queries.clear()
         sparse = m(x, sparse=True)[0]
         assert queries == [32] and torch.allclose(sparse, m(x)[0], atol=1e-10)
+    writes = []  # everybody routed to softmax, no cache to fill: the routed layers write no GDN state
+    for i in (1, 2):
+        m.blocks[i].gdn.qkv_proj.register_forward_hook(lambda mod, inp, out: writes.append(i))
+    m.forced_route = torch.ones(3, 32, 2, dtype=torch.bool)
+    with torch.no_grad():
+        sparse = m(x, sparse=True)[0]
+        assert writes == [] and torch.allclose(sparse, m(x)[0], atol=1e-10)
 
 
 @pytest.mark.parametrize("B", [1, 2])
@@ -500,6 +556,34 @@ def test_a_tie_goes_to_gdn_in_every_path(monkeypatch, B):
     monkeypatch.setattr(H, "gumbel_like", torch.zeros_like)
     _, _, st = m.train()(x, x)
     assert all(st[f"gdn_frac_l{i}"] == 1 for i in m.routed)
+
+
+def test_b1_decode_step_reads_through_the_chosen_mixer_only(monkeypatch):
+    """B = 1 (how users decode): a routed layer's step runs one read, the chosen one (§2.2's
+    inference rule: GDN's RMSNorm, W_g, W_o or softmax's Q, scores, W_o), and decodes as the full
+    forward does."""
+    torch.manual_seed(0)
+    m = H.Model(tiny()).eval()
+    forced = torch.rand(1, 24, 2, generator=torch.Generator().manual_seed(2)) < 0.5
+    assert forced[0, 6:].any(0).all() and not forced[0, 6:].all(0).any()  # both reads, each layer
+    m.forced_route = forced
+    reads = []
+    gdn_read, attend = H.GatedDeltaNet.read, common.CausalSelfAttention.attend
+    monkeypatch.setattr(H.GatedDeltaNet, "read",
+                        lambda self, *a: reads.append(self) or gdn_read(self, *a))
+    monkeypatch.setattr(common.CausalSelfAttention, "attend",
+                        lambda self, *a, **kw: reads.append(self) or attend(self, *a, **kw))
+    x = torch.randint(0, 40, (1, 24))
+    with torch.no_grad():
+        full = m(x)[0]
+        logits, state = m.prefill(x[:, :6])
+        for t in range(6, 24):
+            reads.clear()
+            logits, state = m.step(x[:, t:t + 1], state)
+            routed = [m.blocks[i].attn if forced[0, t, r] else m.blocks[i].gdn
+                      for r, i in enumerate(m.routed)]
+            assert reads == [m.blocks[0].gdn, *routed, m.blocks[3].attn]
+            assert torch.allclose(logits, full[:, t], atol=1e-5)
 
 
 def test_flops_saved_at_known_shares_and_B_gt_1():
@@ -528,8 +612,9 @@ def test_flops_saved_at_known_shares_and_B_gt_1():
 
 
 def test_sparse_in_train_mode_is_an_error():
-    with pytest.raises(NanorouteError, match="eval"):
+    with pytest.raises(NanorouteError) as e:
         H.Model(tiny())(torch.zeros(1, 4, dtype=torch.long), sparse=True)
+    assert str(e.value) == "sparse=True is the inference path: call model.eval() first"
 
 
 @pytest.mark.parametrize("mode", ["train", "eval", "sparse"])
@@ -579,9 +664,13 @@ def test_prefill_matches_the_window_reference_at_every_prefix():
     torch.manual_seed(0)
     m = H.Model(tiny(block_size=16)).double().eval()
     x = torch.randint(0, 40, (2, 16))
+    head_rows = []  # prefill runs the LM head on the last position only (T×V logits at 49k vocab)
+    m.lm_head.register_forward_hook(lambda mod, inp, out: head_rows.append(inp[0].size(1)))
     with torch.no_grad():
         for n in (1, 2, 7, 16):
+            head_rows.clear()
             logits, (caches, pos) = m.prefill(x[:, :n])
+            assert head_rows == [1]
             assert pos == n and torch.allclose(logits, m(x[:, :n])[0][:, -1], atol=1e-10)
 
 
@@ -628,6 +717,36 @@ def test_all_softmax_pattern_loads_dense_gpt_weights():
     assert torch.allclose(m(x)[0], gpt(x)[0], atol=1e-6)
 
 
+def test_biases_follow_cfg_bias():
+    """bias=True (GPT-2's): every LayerNorm (the router's too) and every c_attn, c_fc, c_proj
+    (GDN's W_o too) has a bias; bias=False: none. The GDN's W_qkv, W_a, W_b, W_g, its conv and the
+    router never have one (Yang et al.; §2.2)."""
+    for bias in (False, True):
+        m = H.Model(tiny(bias=bias))
+        got = {n.rsplit(".", 1)[0] for n, _ in m.named_parameters() if n.endswith(".bias")}
+        want = {n for n, mod in m.named_modules() if isinstance(mod, torch.nn.LayerNorm)
+                or n.rsplit(".", 1)[-1] in ("c_attn", "c_fc", "c_proj")}
+        assert got == (want if bias else set()) and len(want) == 27  # 10 norms, 17 c_*
+        assert "ln_r" in want and "blocks.0.gdn.c_proj" in want
+
+
+def test_dropout_only_in_training(monkeypatch):
+    """dropout > 0: eval (dense, sparse, decode) is the dropout-free model; training drops."""
+    torch.manual_seed(0)
+    m = H.Model(tiny(dropout=0.5)).eval()
+    ref = H.Model(tiny(dropout=0.0)).eval()
+    ref.load_state_dict(m.state_dict())
+    x = torch.randint(0, 40, (2, 16))
+    with torch.no_grad():
+        want = ref(x)[0]
+        assert torch.equal(m(x)[0], want) and torch.allclose(m(x, sparse=True)[0], want, atol=1e-5)
+        logits, state = m.prefill(x[:, :15])
+        assert torch.allclose(m.step(x[:, 15:], state)[0], want[:, -1], atol=1e-5)
+    monkeypatch.setattr(H, "gumbel_like", torch.zeros_like)  # the same routes in both calls
+    m.train()
+    assert not torch.equal(m(x)[0], m(x)[0])
+
+
 def test_flops_accounting():
     cfg = tiny()
     dense_hard = H.flops_per_token(cfg, 32)
@@ -640,10 +759,48 @@ def test_flops_accounting():
     assert H.flops_per_token(cfg, 32, [0.0, 1.0], sparse=True) == pytest.approx(
         (H.flops_per_token(cfg, 32, 0.0, sparse=True) + H.flops_per_token(cfg, 32, 1.0, sparse=True)) / 2)
     static_gdn = H.flops_per_token(tiny(pattern="G G G S"), 32)
+    assert H.flops_per_token(cfg, 32, sparse=True) == H.flops_per_token(cfg, 32, 0.0, sparse=True)
     assert H.flops_per_token(cfg, 32, 0.0, sparse=True) - static_gdn == pytest.approx(2 * (4 * d * d + 2 * d * 2))
 
 
+def test_train_flops_per_token_by_value():
+    """Training runs both mixers of every routed layer and its router, whatever the routes. Tiny
+    G R R S at T = 32 (d = 32, 2 heads, K = V = 16): LM head 2·32·40; MLPs 4·16384; GDN write
+    10240 + read 4096 (layers 0-2); softmax 10304 (layers 1-3); router 2·32·2 (layers 1, 2)."""
+    m = H.Model(tiny())
+    for stats in (None, {"skipped": torch.tensor(0.9)}):
+        got = m.train_flops_per_token(32, stats)
+        assert type(got) is float and got == 2560 + 4 * 16384 + 3 * 14336 + 3 * 10304 + 2 * 128
+
+
+def test_gumbel_noise_is_standard_gumbel():
+    """γ = −log E, E ~ Exp(1): P(γ ≤ x) = exp(−e^{−x}), mean Euler's γ ≈ 0.5772 (200k draws:
+    the CDF's standard error ~0.001)."""
+    torch.manual_seed(0)
+    z = torch.zeros(1000, 200)
+    g = H.gumbel_like(z)
+    assert g.shape == z.shape and g.dtype == z.dtype and torch.isfinite(g).all()
+    for x in (-1.0, 0.0, 1.0, 3.0):
+        assert (g <= x).float().mean().item() == pytest.approx(math.exp(-math.exp(-x)), abs=0.005)
+    assert g.mean().item() == pytest.approx(0.5772, abs=0.01)
+
+
 # ---------------------------------------------------------------- CLI
+
+@pytest.mark.parametrize("argv", [[], ["-h"], ["--help"]])
+def test_main_prints_its_usage(capsys, argv):
+    H.main(argv)
+    out = capsys.readouterr()
+    assert out.out == H.USAGE + "\n" and not out.err
+    assert out.out.startswith("usage: python hybrid_attn.py [-h]\n")
+
+
+@pytest.mark.parametrize("argv", [["--bogus=1", "x"], ["-H"], ["--help", "-h"]])
+def test_main_refuses_any_argument_but_help(capsys, argv):
+    with pytest.raises(NanorouteError) as e:
+        H.main(argv)
+    assert str(e.value) == f"unrecognized arguments: {' '.join(argv)} (see --help)"
+    assert capsys.readouterr().out == ""
 
 def test_cli_smoke(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
@@ -723,7 +880,7 @@ def test_router_and_gdn_gates_run_in_fp32_under_bf16_autocast(monkeypatch):
     rule = H.gated_delta_rule_chunked
 
     def spy(q, k, v, g, beta, **kw):
-        seen.update(g=g, beta=beta)
+        seen.update(q=q, k=k, g=g, beta=beta, kw=kw)
         return rule(q, k, v, g, beta, **kw)
 
     monkeypatch.setattr(H, "gated_delta_rule_chunked", spy)
@@ -732,6 +889,8 @@ def test_router_and_gdn_gates_run_in_fp32_under_bf16_autocast(monkeypatch):
         gdn.write(h)
         a, b = gdn.a_proj(h), gdn.b_proj(h)  # the projections as autocast runs them (bf16)
     assert seen["g"].dtype == seen["beta"].dtype == torch.float32
+    assert seen["q"].dtype == seen["k"].dtype == torch.float32  # normalised in fp32, not bf16
+    assert seen["kw"] == {"chunk_size": 8, "output_final_state": False}  # cfg's chunk; no cache
     g = (-gdn.A_log.exp() * F.softplus(a.float() + gdn.dt_bias)).mT
     assert torch.allclose(seen["g"], g, rtol=1e-6, atol=0)
     assert torch.allclose(seen["beta"], torch.sigmoid(b.float()).mT, rtol=1e-6, atol=0)
