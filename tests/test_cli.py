@@ -1263,3 +1263,46 @@ def test_run_lock_one_writer_per_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "fcntl", None)  # Windows: no lock
     with train.run_lock(str(tmp_path / "win")):
         assert not (tmp_path / "win").exists()
+
+
+def test_speed_line_times_three_forwards_after_two_untimed_warmups(monkeypatch):
+    """speed_line runs the sparse forward (sparse=True), the dense-hard one and a dense GPT of the
+    model's size repeats + 2 times each, interleaved, on evaluation batch 0 of val, on the device
+    given; it keeps the last `repeats` timings and reports their medians. A fake clock that each
+    forward advances by its own planned duration pins which calls are timed."""
+    plan = {"sparse": [90, 80, 1, 2, 3, 4, 5], "dense_hard": [90, 80, 2, 4, 6, 8, 10],
+            "gpt": [90, 80, 3, 6, 9, 12, 15]}  # ms per iteration; warm-ups (first two) are slow
+    clock, calls, seen = [0.0], [], {}
+
+    class Stub(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def to(self, device):
+            seen["gpt_device"] = device
+            return self
+
+        def forward(self, x, sparse=False):
+            k = self.name if self.name == "gpt" else "sparse" if sparse else "dense_hard"
+            calls.append((k, x))
+            clock[0] += plan[k][sum(c[0] == k for c in calls) - 1] / 1e3
+            return x
+
+    def get_batch(*args):
+        seen["batch"] = args
+        return "x", "y"
+
+    device = torch.device("cpu")
+    cfg = common.Config(n_layer=1, n_head=2, n_embd=8, block_size=4, batch_size=3, vocab_size=11)
+    monkeypatch.setattr(common, "get_batch", get_batch)
+    monkeypatch.setattr(common, "Model", lambda gpt_cfg: Stub("gpt"))
+    monkeypatch.setattr(train.time, "perf_counter", lambda: clock[0])
+    line = train.speed_line(Stub("model"), cfg, "meta", "val", device)
+    assert line == ("speed, measured now (forward, batch 3×4, median of 5): sparse 3.0 ms = "
+                    "2.00× the same decisions computed densely, 3.00× a dense GPT of the same size")
+    assert [k for k, _ in calls] == ["sparse", "dense_hard", "gpt"] * 7
+    assert all(x == "x" for _, x in calls) and seen["gpt_device"] is device
+    data, meta, B, T, rng, dev = seen["batch"]
+    assert (data, meta, B, T, dev) == ("val", "meta", 3, 4, device)
+    assert rng.integers(1 << 30) == common.eval_rng(0, "val", 0).integers(1 << 30)
