@@ -1270,8 +1270,9 @@ def test_speed_line_times_three_forwards_after_two_untimed_warmups(monkeypatch):
     model's size repeats + 2 times each, interleaved, on evaluation batch 0 of val, on the device
     given; it keeps the last `repeats` timings and reports their medians. A fake clock that each
     forward advances by its own planned duration pins which calls are timed."""
-    plan = {"sparse": [90, 80, 1, 2, 3, 4, 5], "dense_hard": [90, 80, 2, 4, 6, 8, 10],
-            "gpt": [90, 80, 3, 6, 9, 12, 15]}  # ms per iteration; warm-ups (first two) are slow
+    kept = [97, 98, 99, 100, 101]  # ms; warm-ups (the first two) slow; 99 shows a scale off by 1e-3
+    plan = {"sparse": [500, 400] + kept, "dense_hard": [500, 400] + [2 * t for t in kept],
+            "gpt": [500, 400] + [3 * t for t in kept]}
     clock, calls, seen = [0.0], [], {}
 
     class Stub(torch.nn.Module):
@@ -1299,7 +1300,7 @@ def test_speed_line_times_three_forwards_after_two_untimed_warmups(monkeypatch):
     monkeypatch.setattr(common, "Model", lambda gpt_cfg: Stub("gpt"))
     monkeypatch.setattr(train.time, "perf_counter", lambda: clock[0])
     line = train.speed_line(Stub("model"), cfg, "meta", "val", device)
-    assert line == ("speed, measured now (forward, batch 3×4, median of 5): sparse 3.0 ms = "
+    assert line == ("speed, measured now (forward, batch 3×4, median of 5): sparse 99.0 ms = "
                     "2.00× the same decisions computed densely, 3.00× a dense GPT of the same size")
     assert [k for k, _ in calls] == ["sparse", "dense_hard", "gpt"] * 7
     assert all(x == "x" for _, x in calls) and seen["gpt_device"] is device
