@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -1217,6 +1218,37 @@ def test_check_fits_refuses_too_few_windows_and_too_little_memory_by_value(monke
         f"of this machine's memory ({(state + act - 1) / 2 ** 30:,.0f} GiB)")
     monkeypatch.delattr(os, "sysconf")  # memory unknown: not refused
     train.check_fits(dataclasses.replace(cfg, n_embd=1 << 20), {"val_tokens": 100}, common, cpu)
+
+
+def test_check_fits_at_a_size_where_every_figure_shows(monkeypatch):
+    """~505M parameters, ~37 GiB to train: the refusal's every GiB figure is non-zero, so a wrong
+    unit shows. On CUDA the limit is 90% of the GPU's memory (asked of that device); where a GPT's
+    lower bound alone exceeds the limit the model is not built and the bound is what is reported;
+    where the bound fits exactly, the model is built (on the meta device) and its own count is."""
+    cfg = common.Config(n_layer=8, n_head=16, n_embd=2048, vocab_size=50304, block_size=1024,
+                        batch_size=16)
+    low = 12 * 8 * 2048 * 2048 + 50304 * 2048  # a GPT's parameters, a lower bound
+    with torch.device("meta"):
+        exact = sum(t.numel() for t in common.Model(cfg).state_dict().values())
+    assert exact > low
+
+    def message(params, limit, where):
+        state, act = train.train_memory(cfg, params)
+        return (f"this run would need ~{(state + act) / 2 ** 30:,.1f} GiB to train "
+                f"({params / 1e6:,.1f}M parameters with their gradients and AdamW's moments: "
+                f"{state / 2 ** 30:,.1f} GiB; activations at batch_size=16, block_size=1024: "
+                f"~{act / 2 ** 30:,.1f} GiB), more than {where} ({limit / 2 ** 30:,.0f} GiB)")
+
+    gpu, asked = torch.device("cuda", 0), []
+    props = types.SimpleNamespace(total_memory=20 * 2 ** 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: asked.append(d) or props)
+    assert refused(train.check_fits, cfg, {"val_tokens": 10 ** 6}, common, gpu) == message(
+        low, 0.9 * 20 * 2 ** 30, "this GPU's memory")
+    assert asked == [gpu]
+    need_low = sum(train.train_memory(cfg, low))
+    monkeypatch.setattr(os, "sysconf", lambda k: {"SC_PAGE_SIZE": 2, "SC_PHYS_PAGES": need_low}[k])
+    assert refused(train.check_fits, cfg, {"val_tokens": 10 ** 6}, common,
+                   torch.device("cpu")) == message(exact, need_low, "half of this machine's memory")
 
 
 def test_check_fits_refuses_a_size_the_model_cannot_be_built_with(monkeypatch):
