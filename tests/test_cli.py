@@ -1339,3 +1339,18 @@ def test_speed_line_times_three_forwards_after_two_untimed_warmups(monkeypatch):
     data, meta, B, T, rng, dev = seen["batch"]
     assert (data, meta, B, T, dev) == ("val", "meta", 3, 4, device)
     assert rng.integers(1 << 30) == common.eval_rng(0, "val", 0).integers(1 << 30)
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--resume=maybe"], "--resume expects bool, got 'maybe'"),
+    (["--overwrite=maybe"], "--overwrite expects bool, got 'maybe'"),
+    (["--resume", "--overwrite"],
+     "--resume continues the run in out_dir, --overwrite removes it: give one of them"),
+    (["--resume"], "--resume: no out/gpt-shakespeare/ckpt.pt to resume from"),
+    (["--resume", "--model=tsa", "--dataset=copy"], "--resume: no out/tsa-copy/ckpt.pt to resume from"),
+])
+def test_parse_resume_and_overwrite_refusals_by_text(argv, error, tmp_path, monkeypatch):
+    """The two run-folder flags are named in their errors, exclusive, and --resume without
+    --out_dir looks where a new run of that --model and --dataset would have been written."""
+    monkeypatch.chdir(tmp_path)
+    assert refused(train.parse, argv) == error
