@@ -101,14 +101,33 @@ def agree(a_masks, b_masks):
 
 # ---- config ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw", [dict(rho=0.0), dict(rho=1.5), dict(gate="G2"), dict(recipe="A9"), dict(mode="foo"),
-                                dict(n_controlled=5), dict(tau=0.0), dict(d_c=0), dict(d_s=-1), dict(d_a=0),
-                                dict(pred_hidden=0), dict(cheap_rank=0), dict(g1_hidden=-1), dict(lam_util=-0.5),
-                                dict(oracle_window=0), dict(label_start=-1), dict(p_min=1.0)])
-def test_bad_config_is_one_line_error(kw):
+RECIPE_LIST = "G1, G3, A1, A2, A3-G1, A3-G3, A4-0.25, A4-2"
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(rho=0.0), "rho must be in (0, 1], got 0.0"),
+    (dict(rho=1.5), "rho must be in (0, 1], got 1.5"),
+    (dict(gate="G2"), "gate must be G1 or G3, got 'G2'"),
+    (dict(recipe="A9"), f"unknown recipe 'A9'; choose one of {RECIPE_LIST}"),
+    (dict(mode="foo"), "mode must be causal or topk, got 'foo'"),
+    (dict(n_controlled=5), "n_controlled must be in [1, n_layer], got 5"),
+    (dict(tau=0.0), "tau must be > 0, got 0.0"), (dict(d_c=0), "d_c must be > 0, got 0"),
+    (dict(d_s=-1), "d_s must be > 0, got -1"), (dict(d_a=0), "d_a must be > 0, got 0"),
+    (dict(pred_hidden=0), "pred_hidden must be > 0, got 0"),
+    (dict(cheap_rank=0), "cheap_rank must be > 0, got 0"),
+    (dict(g1_hidden=-1), "g1_hidden must be >= 0, got -1"),
+    (dict(lam_util=-0.5), "lam_util must be >= 0, got -0.5"),
+    (dict(oracle_window=0), "oracle_window must be > 0, got 0"),
+    (dict(label_start=-1), "label_start must be >= 0, got -1"),
+    (dict(oracle_gamma=1.5), "oracle_gamma must be in [0, 1], got 1.5"),
+    (dict(p_min=1.0), "p_min must be in [0, 1), got 1.0"),
+    (dict(gate="G1", n_embd=2, n_head=1),
+     "G1's hidden width n_embd // 4 is 0 at n_embd=2: set g1_hidden >= 1 or n_embd >= 4")])
+def test_bad_config_is_one_line_error(kw, msg):
+    """Each refusal word for word: the message is what a user reads after `error:`."""
     with pytest.raises(common.NanorouteError) as e:
         tiny(**kw)
-    assert "\n" not in str(e.value)
+    assert str(e.value) == msg
 
 
 def test_recipes_set_the_paper_flags_and_refuse_contradictions():
@@ -808,6 +827,11 @@ def test_range_edges_build_and_route():
     m = cd.Model(tiny(gate="G1", n_embd=2, n_head=1, g1_hidden=3))  # d // 4 = 0: g1_hidden routes
     assert m.gates[0].w1.out_features == 3
     assert cd.Model(tiny(gate="G1", n_embd=8, n_head=1)).gates[0].w1.out_features == 2
+    assert cd.Model(tiny(gate="G1", n_embd=4, n_head=1)).gates[0].w1.out_features == 1  # smallest
+    # G1's FLOPs count the hidden width it builds, d // 4 = 7 at d = 30 (not 7.5)
+    cfg = tiny(gate="G1", n_embd=30, n_head=2)
+    w = [lin.weight.numel() for lin in (cd.GateG1(cfg).w1, cd.GateG1(cfg).w2)]
+    assert cd.controller_flops(cfg, False) == 2 * sum(w) == 2 * (30 * 7 + 7)
 
 
 @pytest.mark.parametrize("max_iters, start, every, want", [
