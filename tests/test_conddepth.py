@@ -157,8 +157,9 @@ def test_recipes_set_the_paper_flags_and_refuse_contradictions():
 
 def test_sparse_forward_in_training_is_refused():
     m = make().train()
-    with pytest.raises(common.NanorouteError, match="call model.eval"):
+    with pytest.raises(common.NanorouteError) as e:
         m(torch.zeros(1, 4, dtype=torch.long), sparse=True)
+    assert str(e.value) == "sparse=True is an inference path: call model.eval() first"
 
 
 def test_classroom_preset_trains_jointly_from_scratch():
@@ -217,6 +218,41 @@ def test_sparse_equals_dense_hard(dev, gate, mode, bias):
     m.mode = "causal"
     with torch.no_grad(), dev.autocast():
         assert not torch.allclose(m(x)[0].float(), dense.float(), atol=atol)
+
+
+def test_each_forward_runs_the_ffns_on_the_rows_it_says():
+    """sparse=True really skips the work: layer j's full FFN sees only its full tokens, the cheap
+    FFN the rest. Eval with targets runs the routed pass densely, then the top-k pass for
+    soft_loss (dense too; mode="topk" reuses the routed pass), T of eq. (14) in the routed pass
+    only. The sparse path, and only it, runs with dynamo's capture_scalar_outputs (its counts
+    compile as symbols; the dense forward must not enter that wrapper, one graph)."""
+    m = calibrated(make(gate="G3")).eval()
+    x, y = data(B=2)
+    N, C = x.numel(), m.cfg.n_controlled
+    seen = []
+    for j, block in enumerate(m.blocks[-C:]):
+        for name, mod in (("full", block.mlp), ("cheap", m.cheap[j]), ("T", m.gates[j].target)):
+            mod.register_forward_hook(lambda mod, inp, out, key=(name, j): seen.append(
+                (key, inp[0].shape[:-1].numel(), torch._dynamo.config.capture_scalar_outputs)))
+
+    def run(*args, **kw):
+        seen.clear()
+        with torch.no_grad():
+            m(*args, **kw)
+        return sorted(seen)
+    with torch.no_grad():
+        m(x)
+    n_full = [mk.sum().item() for mk in m.last_masks]
+    assert all(0 < n < N for n in n_full)
+    want = [((f, j), n, True) for j in range(C) for f, n in (("cheap", N - n_full[j]),
+                                                              ("full", n_full[j]))]
+    assert run(x, sparse=True) == sorted(want)
+    dense = [((f, j), N, False) for j in range(C) for f in ("cheap", "full")]
+    jepa = [(("T", j), 2 * N, False) for j in range(C)]  # z of h_full and h_cheap, one call
+    assert run(x) == sorted(dense)
+    assert run(x, y) == sorted(dense * 2 + jepa)  # the routed pass, then the top-k pass
+    m.mode = "topk"
+    assert run(x, y) == sorted(dense + jepa)
 
 
 def test_eval_is_causal_training_topk_is_not(dev):
@@ -279,7 +315,9 @@ def test_cached_generate_equals_cache_free_past_block_size(dev):
         assert torch.equal(a[:, :12], b[:, :12]) and (a == b).float().mean() > 0.9
     else:
         assert torch.equal(a, b)
+    assert m.decodes_cached() is True and m.decodes_cached(use_cache=False) is False
     m.mode = "topk"  # no causal cache for top-k: generate falls back to recomputing the window
+    assert m.decodes_cached() is False
     assert m.generate(prompt, 3, temperature=0).shape == (2, 6)
     with pytest.raises(common.NanorouteError, match="cached decoding routes causally"):
         m.prefill(prompt)
@@ -650,6 +688,7 @@ def test_labels_only_on_label_steps_and_training_uses_them():
     m = make(label_start=100, label_every=5)
     x, y = data()
     m.train()
+    assert m(x, y)[2]["label_step"].item() == 0  # a new model: no labels before on_step says so
     for it, want in ((0, 0), (99, 0), (100, 1), (101, 0), (105, 1)):
         m.on_step(it)
         assert m(x, y)[2]["label_step"].item() == want
