@@ -185,10 +185,15 @@ def test_cli_help_and_one_line_errors(capsys):
         out = capsys.readouterr().out
         assert "usage: python conddepth.py" in out and "train.py" in out
     for bad in (["foo"], ["--preset=paper"], ["-h", "x"]):
-        with pytest.raises(common.NanorouteError, match="takes no arguments"):
+        with pytest.raises(common.NanorouteError) as e:
             cd.main(bad)
-    cd.main([])
-    assert "A3-G3    0.553, 1.093" in capsys.readouterr().out
+        assert str(e.value) == "conddepth.py takes no arguments, got " + " ".join(bad)
+    cd.main([])  # §4's proxies at paper size, the whole table (paper: G1 0.547, G3 0.553)
+    assert capsys.readouterr().out.splitlines() == [
+        "recipe   FFN units: inference, training",
+        "G1       0.547, 3.656", "G3       0.553, 3.686", "A1       0.553, 3.686",
+        "A2       0.553, 3.686", "A3-G1    0.547, 1.063", "A3-G3    0.553, 1.093",
+        "A4-0.25  0.553, 3.686", "A4-2     0.553, 3.686"]
     r = subprocess.run([sys.executable, cd.__file__, "--preset=paper"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
 
