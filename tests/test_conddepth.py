@@ -68,10 +68,11 @@ def replay(m, x):
         if cfg.gate == "G1":
             u, qf, qc = g.w2(F.silu(g.w1(a)))[..., 0], None, None       # eq. (10)
         else:
+            P = lambda z: g.pred[-1](F.silu(g.pred[0](z)))  # noqa: E731  Linear → SiLU → Linear
             c = g.w_c(a)                                                 # eq. (11)
-            qf = g.pred(torch.cat([c, g.e[0].expand(*c.shape[:2], -1)], -1))  # eq. (12)
-            qc = g.pred(torch.cat([c, g.e[1].expand(*c.shape[:2], -1)], -1))
-            u = g.head(torch.cat([qf, qc, qf - qc], -1))[..., 0]        # eq. (13)
+            qf = P(torch.cat([c, g.e[0].expand(*c.shape[:2], -1)], -1))  # eq. (12)
+            qc = P(torch.cat([c, g.e[1].expand(*c.shape[:2], -1)], -1))
+            u = g.head[-1](F.silu(g.head[0](torch.cat([qf, qc, qf - qc], -1))))[..., 0]  # (13)
         mask = cd.topk_mask(u, cd.budget_k(cfg.rho, x.size(1)))
         h_full, h_cheap = a + block.ffn_delta(a), a + m.cheap[j](a)     # eqs. (2), (3)
         out.append(dict(a=a, u=u, qf=qf, qc=qc, m=mask, p=torch.sigmoid(u / cfg.tau), h_full=h_full, h_cheap=h_cheap))
@@ -736,6 +737,12 @@ def test_derangement_and_a2_shuffle():
     for n in (2, 3, 17, 1000):
         p = cd.derangement(n, "cpu")
         assert sorted(p.tolist()) == list(range(n)) and (p != torch.arange(n)).all()
+    torch.manual_seed(7)  # the cycle order[0] → order[1] → … of randperm's order: a seed gives
+    order = torch.randperm(6).tolist()  # the same A2 targets as before
+    torch.manual_seed(7)
+    p = cd.derangement(6, "cpu").tolist()
+    assert [p[order[i]] for i in range(6)] == order[1:] + order[:1]
+    assert cd.derangement(5, "meta").device.type == "meta"  # drawn on the device it is given
     x, y = data()
     base, shuf = make(gate="G3"), make(gate="G3", shuffle_targets=True)
     assert base.train()(x, y)[2]["jepa"] != shuf.train()(x, y)[2]["jepa"]
@@ -920,6 +927,25 @@ def test_jepa_target_runs_in_fp32_under_bf16_autocast():
     assert want[0].item() == pytest.approx(loss.item(), rel=1e-5)
     assert want[1].item() == pytest.approx((qf - qc).norm(dim=-1).mean().item(), rel=1e-6)
     assert want[2].item() == pytest.approx(cos(qf, qc, dim=-1).mean().item(), rel=1e-6)
+    hf, hc = hf.bfloat16(), hc.bfloat16()  # h*_a arriving in bf16: T still runs in q's fp32
+    want = cd.jepa_terms(target, qf, qc, hf.float(), hc.float(), False)
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got = cd.jepa_terms(target, qf, qc, hf, hc, False)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_oracle_ce_is_fp32_from_bf16_logits():
+    """Eq. (15)'s labels are differences of per-token CEs: token_ce takes them in fp32 from bf16
+    logits too (a bf16 CE rounds at ~1e-2, a label's size); 0 at an ignored target."""
+    m = make(torch.bfloat16)
+    h = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)).bfloat16() * 3
+    y = data(B=2, T=8)[1]
+    y[0, 3] = -1
+    logits = m.head(h)[0].flatten(0, 1).float()
+    want = F.cross_entropy(logits, y.flatten(), ignore_index=-1, reduction="none").view(2, 8)
+    got = cd.token_ce(m, h, y)
+    assert got.dtype == torch.float32 and torch.equal(got, want) and got[0, 3] == 0
 
 
 def test_threshold_average_constants():
