@@ -68,10 +68,11 @@ def replay(m, x):
         if cfg.gate == "G1":
             u, qf, qc = g.w2(F.silu(g.w1(a)))[..., 0], None, None       # eq. (10)
         else:
+            P = lambda z: g.pred[-1](F.silu(g.pred[0](z)))  # noqa: E731  Linear → SiLU → Linear
             c = g.w_c(a)                                                 # eq. (11)
-            qf = g.pred(torch.cat([c, g.e[0].expand(*c.shape[:2], -1)], -1))  # eq. (12)
-            qc = g.pred(torch.cat([c, g.e[1].expand(*c.shape[:2], -1)], -1))
-            u = g.head(torch.cat([qf, qc, qf - qc], -1))[..., 0]        # eq. (13)
+            qf = P(torch.cat([c, g.e[0].expand(*c.shape[:2], -1)], -1))  # eq. (12)
+            qc = P(torch.cat([c, g.e[1].expand(*c.shape[:2], -1)], -1))
+            u = g.head[-1](F.silu(g.head[0](torch.cat([qf, qc, qf - qc], -1))))[..., 0]  # (13)
         mask = cd.topk_mask(u, cd.budget_k(cfg.rho, x.size(1)))
         h_full, h_cheap = a + block.ffn_delta(a), a + m.cheap[j](a)     # eqs. (2), (3)
         out.append(dict(a=a, u=u, qf=qf, qc=qc, m=mask, p=torch.sigmoid(u / cfg.tau), h_full=h_full, h_cheap=h_cheap))
@@ -101,14 +102,33 @@ def agree(a_masks, b_masks):
 
 # ---- config ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw", [dict(rho=0.0), dict(rho=1.5), dict(gate="G2"), dict(recipe="A9"), dict(mode="foo"),
-                                dict(n_controlled=5), dict(tau=0.0), dict(d_c=0), dict(d_s=-1), dict(d_a=0),
-                                dict(pred_hidden=0), dict(cheap_rank=0), dict(g1_hidden=-1), dict(lam_util=-0.5),
-                                dict(oracle_window=0), dict(label_start=-1), dict(p_min=1.0)])
-def test_bad_config_is_one_line_error(kw):
+RECIPE_LIST = "G1, G3, A1, A2, A3-G1, A3-G3, A4-0.25, A4-2"
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(rho=0.0), "rho must be in (0, 1], got 0.0"),
+    (dict(rho=1.5), "rho must be in (0, 1], got 1.5"),
+    (dict(gate="G2"), "gate must be G1 or G3, got 'G2'"),
+    (dict(recipe="A9"), f"unknown recipe 'A9'; choose one of {RECIPE_LIST}"),
+    (dict(mode="foo"), "mode must be causal or topk, got 'foo'"),
+    (dict(n_controlled=5), "n_controlled must be in [1, n_layer], got 5"),
+    (dict(tau=0.0), "tau must be > 0, got 0.0"), (dict(d_c=0), "d_c must be > 0, got 0"),
+    (dict(d_s=-1), "d_s must be > 0, got -1"), (dict(d_a=0), "d_a must be > 0, got 0"),
+    (dict(pred_hidden=0), "pred_hidden must be > 0, got 0"),
+    (dict(cheap_rank=0), "cheap_rank must be > 0, got 0"),
+    (dict(g1_hidden=-1), "g1_hidden must be >= 0, got -1"),
+    (dict(lam_util=-0.5), "lam_util must be >= 0, got -0.5"),
+    (dict(oracle_window=0), "oracle_window must be > 0, got 0"),
+    (dict(label_start=-1), "label_start must be >= 0, got -1"),
+    (dict(oracle_gamma=1.5), "oracle_gamma must be in [0, 1], got 1.5"),
+    (dict(p_min=1.0), "p_min must be in [0, 1), got 1.0"),
+    (dict(gate="G1", n_embd=2, n_head=1),
+     "G1's hidden width n_embd // 4 is 0 at n_embd=2: set g1_hidden >= 1 or n_embd >= 4")])
+def test_bad_config_is_one_line_error(kw, msg):
+    """Each refusal word for word: the message is what a user reads after `error:`."""
     with pytest.raises(common.NanorouteError) as e:
         tiny(**kw)
-    assert "\n" not in str(e.value)
+    assert str(e.value) == msg
 
 
 def test_recipes_set_the_paper_flags_and_refuse_contradictions():
@@ -138,8 +158,9 @@ def test_recipes_set_the_paper_flags_and_refuse_contradictions():
 
 def test_sparse_forward_in_training_is_refused():
     m = make().train()
-    with pytest.raises(common.NanorouteError, match="call model.eval"):
+    with pytest.raises(common.NanorouteError) as e:
         m(torch.zeros(1, 4, dtype=torch.long), sparse=True)
+    assert str(e.value) == "sparse=True is an inference path: call model.eval() first"
 
 
 def test_classroom_preset_trains_jointly_from_scratch():
@@ -165,10 +186,15 @@ def test_cli_help_and_one_line_errors(capsys):
         out = capsys.readouterr().out
         assert "usage: python conddepth.py" in out and "train.py" in out
     for bad in (["foo"], ["--preset=paper"], ["-h", "x"]):
-        with pytest.raises(common.NanorouteError, match="takes no arguments"):
+        with pytest.raises(common.NanorouteError) as e:
             cd.main(bad)
-    cd.main([])
-    assert "A3-G3    0.553, 1.093" in capsys.readouterr().out
+        assert str(e.value) == "conddepth.py takes no arguments, got " + " ".join(bad)
+    cd.main([])  # §4's proxies at paper size, the whole table (paper: G1 0.547, G3 0.553)
+    assert capsys.readouterr().out.splitlines() == [
+        "recipe   FFN units: inference, training",
+        "G1       0.547, 3.656", "G3       0.553, 3.686", "A1       0.553, 3.686",
+        "A2       0.553, 3.686", "A3-G1    0.547, 1.063", "A3-G3    0.553, 1.093",
+        "A4-0.25  0.553, 3.686", "A4-2     0.553, 3.686"]
     r = subprocess.run([sys.executable, cd.__file__, "--preset=paper"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
 
@@ -198,6 +224,41 @@ def test_sparse_equals_dense_hard(dev, gate, mode, bias):
     m.mode = "causal"
     with torch.no_grad(), dev.autocast():
         assert not torch.allclose(m(x)[0].float(), dense.float(), atol=atol)
+
+
+def test_each_forward_runs_the_ffns_on_the_rows_it_says():
+    """sparse=True really skips the work: layer j's full FFN sees only its full tokens, the cheap
+    FFN the rest. Eval with targets runs the routed pass densely, then the top-k pass for
+    soft_loss (dense too; mode="topk" reuses the routed pass), T of eq. (14) in the routed pass
+    only. The sparse path, and only it, runs with dynamo's capture_scalar_outputs (its counts
+    compile as symbols; the dense forward must not enter that wrapper, one graph)."""
+    m = calibrated(make(gate="G3")).eval()
+    x, y = data(B=2)
+    N, C = x.numel(), m.cfg.n_controlled
+    seen = []
+    for j, block in enumerate(m.blocks[-C:]):
+        for name, mod in (("full", block.mlp), ("cheap", m.cheap[j]), ("T", m.gates[j].target)):
+            mod.register_forward_hook(lambda mod, inp, out, key=(name, j): seen.append(
+                (key, inp[0].shape[:-1].numel(), torch._dynamo.config.capture_scalar_outputs)))
+
+    def run(*args, **kw):
+        seen.clear()
+        with torch.no_grad():
+            m(*args, **kw)
+        return sorted(seen)
+    with torch.no_grad():
+        m(x)
+    n_full = [mk.sum().item() for mk in m.last_masks]
+    assert all(0 < n < N for n in n_full)
+    want = [((f, j), n, True) for j in range(C) for f, n in (("cheap", N - n_full[j]),
+                                                              ("full", n_full[j]))]
+    assert run(x, sparse=True) == sorted(want)
+    dense = [((f, j), N, False) for j in range(C) for f in ("cheap", "full")]
+    jepa = [(("T", j), 2 * N, False) for j in range(C)]  # z of h_full and h_cheap, one call
+    assert run(x) == sorted(dense)
+    assert run(x, y) == sorted(dense * 2 + jepa)  # the routed pass, then the top-k pass
+    m.mode = "topk"
+    assert run(x, y) == sorted(dense + jepa)
 
 
 def test_eval_is_causal_training_topk_is_not(dev):
@@ -260,7 +321,9 @@ def test_cached_generate_equals_cache_free_past_block_size(dev):
         assert torch.equal(a[:, :12], b[:, :12]) and (a == b).float().mean() > 0.9
     else:
         assert torch.equal(a, b)
+    assert m.decodes_cached() is True and m.decodes_cached(use_cache=False) is False
     m.mode = "topk"  # no causal cache for top-k: generate falls back to recomputing the window
+    assert m.decodes_cached() is False
     assert m.generate(prompt, 3, temperature=0).shape == (2, 6)
     with pytest.raises(common.NanorouteError, match="cached decoding routes causally"):
         m.prefill(prompt)
@@ -631,6 +694,7 @@ def test_labels_only_on_label_steps_and_training_uses_them():
     m = make(label_start=100, label_every=5)
     x, y = data()
     m.train()
+    assert m(x, y)[2]["label_step"].item() == 0  # a new model: no labels before on_step says so
     for it, want in ((0, 0), (99, 0), (100, 1), (101, 0), (105, 1)):
         m.on_step(it)
         assert m(x, y)[2]["label_step"].item() == want
@@ -673,6 +737,12 @@ def test_derangement_and_a2_shuffle():
     for n in (2, 3, 17, 1000):
         p = cd.derangement(n, "cpu")
         assert sorted(p.tolist()) == list(range(n)) and (p != torch.arange(n)).all()
+    torch.manual_seed(7)  # the cycle order[0] → order[1] → … of randperm's order: a seed gives
+    order = torch.randperm(6).tolist()  # the same A2 targets as before
+    torch.manual_seed(7)
+    p = cd.derangement(6, "cpu").tolist()
+    assert [p[order[i]] for i in range(6)] == order[1:] + order[:1]
+    assert cd.derangement(5, "meta").device.type == "meta"  # drawn on the device it is given
     x, y = data()
     base, shuf = make(gate="G3"), make(gate="G3", shuffle_targets=True)
     assert base.train()(x, y)[2]["jepa"] != shuf.train()(x, y)[2]["jepa"]
@@ -808,6 +878,11 @@ def test_range_edges_build_and_route():
     m = cd.Model(tiny(gate="G1", n_embd=2, n_head=1, g1_hidden=3))  # d // 4 = 0: g1_hidden routes
     assert m.gates[0].w1.out_features == 3
     assert cd.Model(tiny(gate="G1", n_embd=8, n_head=1)).gates[0].w1.out_features == 2
+    assert cd.Model(tiny(gate="G1", n_embd=4, n_head=1)).gates[0].w1.out_features == 1  # smallest
+    # G1's FLOPs count the hidden width it builds, d // 4 = 7 at d = 30 (not 7.5)
+    cfg = tiny(gate="G1", n_embd=30, n_head=2)
+    w = [lin.weight.numel() for lin in (cd.GateG1(cfg).w1, cd.GateG1(cfg).w2)]
+    assert cd.controller_flops(cfg, False) == 2 * sum(w) == 2 * (30 * 7 + 7)
 
 
 @pytest.mark.parametrize("max_iters, start, every, want", [
@@ -852,6 +927,25 @@ def test_jepa_target_runs_in_fp32_under_bf16_autocast():
     assert want[0].item() == pytest.approx(loss.item(), rel=1e-5)
     assert want[1].item() == pytest.approx((qf - qc).norm(dim=-1).mean().item(), rel=1e-6)
     assert want[2].item() == pytest.approx(cos(qf, qc, dim=-1).mean().item(), rel=1e-6)
+    hf, hc = hf.bfloat16(), hc.bfloat16()  # h*_a arriving in bf16: T still runs in q's fp32
+    want = cd.jepa_terms(target, qf, qc, hf.float(), hc.float(), False)
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got = cd.jepa_terms(target, qf, qc, hf, hc, False)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_oracle_ce_is_fp32_from_bf16_logits():
+    """Eq. (15)'s labels are differences of per-token CEs: token_ce takes them in fp32 from bf16
+    logits too (a bf16 CE rounds at ~1e-2, a label's size); 0 at an ignored target."""
+    m = make(torch.bfloat16)
+    h = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)).bfloat16() * 3
+    y = data(B=2, T=8)[1]
+    y[0, 3] = -1
+    logits = m.head(h)[0].flatten(0, 1).float()
+    want = F.cross_entropy(logits, y.flatten(), ignore_index=-1, reduction="none").view(2, 8)
+    got = cd.token_ce(m, h, y)
+    assert got.dtype == torch.float32 and torch.equal(got, want) and got[0, 3] == 0
 
 
 def test_threshold_average_constants():
