@@ -18,6 +18,7 @@ import zipfile
 
 import numpy as np
 import pytest
+import requests
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -100,6 +101,86 @@ def test_interrupted_download_leaves_nothing_and_says_where_to_put_the_file(serv
     assert str(tmp_path / "shakespeare" / "input.txt") in str(e.value)
     assert server.hits == 3  # retried
     assert os.listdir(tmp_path / "shakespeare") == []
+
+
+class FakeResponse:
+    """What requests.get returns, for what a local server cannot send: a body shorter than its
+    Content-Length that urllib3 does not catch (urllib3 1.x), or no Content-Length at all."""
+
+    def __init__(self, body, length, tick=0):
+        self.body, self.status_code, self.tick, self.now = body, 200, tick, 0
+        self.headers = requests.structures.CaseInsensitiveDict(
+            {} if length is None else {"Content-Length": str(length)})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        pass
+
+    def raise_for_status(self):
+        pass
+
+    def iter_content(self, chunk):
+        for i in range(0, len(self.body), chunk):
+            self.now += self.tick  # each chunk takes `tick` seconds (self.now: the clock)
+            yield self.body[i:i + chunk]
+
+
+@pytest.mark.parametrize("length,error", [
+    (None, None), (6, None), (10, "download interrupted: got 6 of 10 bytes")],
+    ids=["no-length", "whole", "short"])
+def test_download_checks_the_length_the_server_gave_with_the_default_timeout(
+        tmp_path, monkeypatch, capsys, length, error):
+    """No Content-Length: the body as it comes; a body short of it: an error naming both counts;
+    every request has the 30 s default timeout; a small file prints no progress."""
+    asked = []
+    monkeypatch.setattr(common.requests, "get", lambda url, **kw: asked.append(kw)
+                        or FakeResponse(b"abcdef", length))
+    dest = str(tmp_path / "f")
+    if error is None:
+        assert common.download("http://x/f", dest) == dest and open(dest, "rb").read() == b"abcdef"
+    else:
+        with pytest.raises(common.NanorouteError) as e:
+            common.download("http://x/f", dest, retries=1)
+        assert str(e.value) == (f"could not download http://x/f (OSError: {error}); download it "
+                                f"yourself and place it at {dest}")
+        assert os.listdir(tmp_path) == []
+    assert [kw["timeout"] for kw in asked] == [30] and capsys.readouterr().out == ""
+
+
+def test_download_backs_off_between_tries_and_says_what_failed_last(server, tmp_path, monkeypatch):
+    """Waits of 1, 2, 4, 8, 8 s (doubling, at most 8) between six tries and none after the last;
+    the error names the last failure; no .part was written, and none is looked for."""
+    waits = []
+    monkeypatch.setattr(common.time, "sleep", waits.append)
+    with pytest.raises(common.NanorouteError) as e:
+        common.download(server.url + "/missing", str(tmp_path / "f"), retries=6, hint="do this")
+    assert waits == [1, 2, 4, 8, 8, 0] and server.hits == 6
+    assert re.fullmatch(rf"could not download {server.url}/missing \(HTTPError: 404 Client Error: "
+                        r".*\); do this", str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize("chunk,total,shows", [(100, 5000, False), (100, 5001, True),
+                                               (25000, 1_500_000, True)])
+@pytest.mark.parametrize("tick", [0, 2, 2.5])
+def test_download_shows_progress_for_a_large_file_every_2_s(tmp_path, monkeypatch, chunk, total,
+                                                            shows, tick):
+    """A file of more than 50 chunks shows "done/total MB" (rounded, 1 MB = 10^6 bytes) on one
+    line when more than 2 s have passed since the last time it did (or the start), then ends the
+    line; printed flushed at once, so that a terminal shows it."""
+    printed, r = [], FakeResponse(b"x" * total, total, tick)
+    monkeypatch.setattr(common, "print", lambda *a, **kw: printed.append((a, kw)), raising=False)
+    monkeypatch.setattr(common.time, "time", lambda: r.now)
+    monkeypatch.setattr(common.requests, "get", lambda url, **kw: r)
+    common.download("http://x/f", str(tmp_path / "f"), chunk=chunk)
+    n = -(-total // chunk) if shows else 0  # chunks; a line at a chunk > 2 s after the last
+    assert len(printed) == {0: 0, 2: n // 2, 2.5: n}[tick] + (tick > 0 and n > 0)  # + the "\n"
+    if not printed:
+        return
+    assert printed[-1] == ((), {}) and all(kw == {"end": "", "flush": True} for _, kw in printed[:-1])
+    first, last = ("\r  0/0 MB", "\r  0/0 MB") if total < 10 ** 6 else ("\r  0/2 MB", "\r  2/2 MB")
+    assert (printed[0][0], printed[-2][0]) == ((first,), (last,))  # 1.5 MB shows 2 (1.499... 1)
 
 
 def test_offline_uses_the_file_in_place_and_never_touches_the_network(tmp_path, shakespeare_text):
