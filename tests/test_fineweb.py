@@ -157,6 +157,23 @@ def test_a_range_answered_from_elsewhere_starts_again(hub, tmp_path):
     assert (d / TRAIN1).read_bytes() == hub.files[TRAIN1]
 
 
+@pytest.mark.parametrize("misplaced,why", [
+    (False, "the partial download does not fit the file: starting again"),
+    (True, "asked for bytes 5000- and got 'bytes 0-9023/9024': starting again")],
+    ids=["416", "misplaced"])
+def test_a_part_that_cannot_be_continued_is_dropped_saying_why(hub, tmp_path, misplaced, why):
+    """A part longer than the file (416), or a range answered from byte 0: the part is deleted
+    and the try fails with the reason (the next try starts again from byte 0)."""
+    dest = str(tmp_path / TRAIN1)
+    open(dest + ".part", "wb").write(hub.files[TRAIN1][:5000] if misplaced else b"x" * 20000)
+    hub.misplaced = misplaced
+    url = hub.url + HUB_PATH + TRAIN1
+    with pytest.raises(common.NanorouteError) as e:
+        common.download(url, dest, retries=1, resume=True, hint="do this")
+    assert str(e.value) == f"could not download {url} (OSError: {why}); do this"
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_server_without_ranges_sends_the_whole_file_and_it_replaces_the_part(hub, tmp_path):
     d = tmp_path / "fineweb_edu"
     os.makedirs(d)
@@ -168,18 +185,35 @@ def test_a_server_without_ranges_sends_the_whole_file_and_it_replaces_the_part(h
     assert (d / TRAIN1).read_bytes() == hub.files[TRAIN1]
 
 
-def test_a_resumed_download_checks_the_sha256_of_the_whole_file(hub, tmp_path):
+def test_a_resumed_download_checks_the_sha256_of_the_whole_file(hub, tmp_path, monkeypatch):
     """The hash covers the bytes already in the .part file, not just the ones fetched now."""
     body = hub.files[TRAIN1]
     dest = str(tmp_path / "f.bin")
     open(dest + ".part", "wb").write(body[:5000])
-    url = hub.url + HUB_PATH + TRAIN1
-    common.download(url, dest, sha256=hashlib.sha256(body).hexdigest(), resume=True)
+    url, want = hub.url + HUB_PATH + TRAIN1, hashlib.sha256(body).hexdigest()
+    sizes, sha256 = [], hashlib.sha256
+
+    class Sha:  # records what is hashed at a time: a part file is read a chunk at a time
+        def __init__(self):
+            self.h = sha256()
+
+        def update(self, b):
+            sizes.append(len(b))
+            self.h.update(b)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+    monkeypatch.setattr(common.hashlib, "sha256", Sha)
+    common.download(url, dest, sha256=want, resume=True, chunk=1000)
     assert hub.ranges == ["bytes=5000-"] and open(dest, "rb").read() == body
+    assert sizes[:5] == [1000] * 5 and max(sizes) <= 1000 and sum(sizes) == len(body)
     other = str(tmp_path / "g.bin")
     open(other + ".part", "wb").write(b"y" * 5000)  # a part that is not this file's start
-    with pytest.raises(common.NanorouteError, match="sha256 mismatch"):
-        common.download(url, other, sha256=hashlib.sha256(body).hexdigest(), resume=True)
+    got = sha256(b"y" * 5000 + body[5000:]).hexdigest()
+    with pytest.raises(common.NanorouteError) as e:
+        common.download(url, other, sha256=want, resume=True)
+    assert str(e.value) == (f"{url}: sha256 mismatch (got {got[:12]}…, expected {want[:12]}…); "
+                            f"place a good copy at {other}")
     assert not os.path.exists(other) and not os.path.exists(other + ".part")  # not kept
 
 
