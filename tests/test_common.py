@@ -190,14 +190,23 @@ def test_offline_uses_the_file_in_place_and_never_touches_the_network(tmp_path, 
     assert meta["vocab_size"] == 65
 
 
-def test_enwik8_from_a_small_zip(server, tmp_path):
+def test_enwik8_from_a_small_zip(server, tmp_path, monkeypatch):
     raw = bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("enwik8", raw)
     server.routes["/enwik8.zip"] = (buf.getvalue(), None)
+    cuts, read = [], zipfile.ZipFile.read
+
+    class Bytes(bytes):  # records how the member is cut: enwik8 is its first 10^8 bytes
+        def __getitem__(self, k):
+            cuts.append(k)
+            return bytes(self)[k]
+    monkeypatch.setattr(zipfile.ZipFile, "read", lambda z, *a: Bytes(read(z, *a)))
     meta = common.prepare("enwik8", str(tmp_path), url=server.url + "/enwik8.zip")
     assert (meta["train_tokens"], meta["val_tokens"], meta["test_tokens"]) == (3600, 200, 200)
+    assert (meta["unit"], meta["vocab_size"], meta["characters"]) == ("byte", 256, 4000)
+    assert cuts == [slice(None, 10 ** 8)]
     assert bytes(common.load_split("enwik8", "val", str(tmp_path)).astype(np.uint8)) == raw[3600:3800]
 
 
@@ -214,7 +223,7 @@ def test_enwik8_zip_with_a_bad_crc_or_no_enwik8_member_is_corrupt(tmp_path):
     zip without the enwik8 member, is refused naming the zip, before anything is written."""
     zpath = tmp_path / "enwik8" / "enwik8.zip"
     os.makedirs(zpath.parent)
-    for member, flip, says in (("enwik8", True, "CRC mismatch"), ("other", False, "no item")):
+    for member, flip, says in (("enwik8", True, "CRC mismatch"), ("other", False, ".*no item.*")):
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
             z.writestr(member, b"x" * 1000)
@@ -223,7 +232,7 @@ def test_enwik8_zip_with_a_bad_crc_or_no_enwik8_member_is_corrupt(tmp_path):
             body[body.index(b"x" * 1000) + 500] ^= 1
         zpath.write_bytes(bytes(body))
         with pytest.raises(common.NanorouteError, match=f"^{re.escape(str(zpath))} is corrupt "
-                           f"\\(.*{says}.*\\); delete it"):
+                           f"\\({says}\\); delete it and run again, or place a good copy there$"):
             common.prepare("enwik8", str(tmp_path))
         assert os.listdir(zpath.parent) == ["enwik8.zip"]
 
@@ -239,6 +248,7 @@ def test_prepare_writes_the_char_mapping_and_says_what_it_made(tmp_path, capsys)
     assert meta == {"dataset": "shakespeare", "vocab_size": 3, "itos": ["\n", "a", "b"],
                     "unit": "char", "characters": 20, "train_tokens": 18, "val_tokens": 2}
     assert json.loads((d / "meta.json").read_text()) == meta
+    assert common.prepare("shakespeare", str(tmp_path)) == meta  # read back from tmp_path
     assert capsys.readouterr().out == ("prepared shakespeare: vocab_size 3, characters 20, "
                                        "train_tokens 18, val_tokens 2\n")
     assert np.fromfile(d / "train.bin", dtype=np.uint16).tolist() == [2, 1, 0, 1, 2] * 3 + [2, 1, 0]
@@ -249,9 +259,15 @@ def test_prepare_writes_the_char_mapping_and_says_what_it_made(tmp_path, capsys)
         os.makedirs(d)
         (d / "input.txt").write_text(text, encoding="utf-8")
         with pytest.raises(common.NanorouteError, match=f"^shakespeare gives {re.escape(says)}: "
-                           f"its input in {re.escape(str(d))} is empty or too short"):
+                           f"its input in {re.escape(str(d))} is empty or too short; put "
+                           "the full file there and run again$"):
             common.prepare("shakespeare", str(tmp_path))
         assert os.listdir(d) == ["input.txt"]
+    (d / "input.txt").write_bytes(b"ab\xffcd")
+    with pytest.raises(common.NanorouteError) as e:
+        common.prepare("shakespeare", str(tmp_path))
+    assert str(e.value) == (f"{d / 'input.txt'} is not UTF-8 text (invalid start byte at byte 2); "
+                            "replace it with Tiny Shakespeare's input.txt")
     (tmp_path / "file").write_text("x")
     with pytest.raises(common.NanorouteError, match="^--data_dir .*file is a file, not a dir"):
         common.prepare("copy", str(tmp_path / "file"))
@@ -269,12 +285,13 @@ def test_copy_and_sort_data_are_pinned(tmp_path):
                                0, 0, 2, 3, 5, 7, 13, 16, 19, 22, 34]}
     for (task, split), record in first.items():
         meta = common.prepare(task, str(tmp_path))
-        assert (meta["train_tokens"], meta["val_tokens"]) == (230_000, 23_000)
+        assert (meta["train_tokens"], meta["val_tokens"], meta["unit"]) == (230_000, 23_000,
+                                                                            "token")
         assert common.load_split(task, split, str(tmp_path))[:23].tolist() == record
 
 def test_shakespeare_bpe(data_dir):
     meta = common.prepare("shakespeare_bpe", data_dir)
-    assert meta["vocab_size"] == 50257
+    assert (meta["vocab_size"], meta["encoding"], meta["unit"]) == (50257, "r50k_base", "token")
     val = common.load_split("shakespeare_bpe", "val", data_dir)
     assert common.decode(meta, val[:50].tolist()).startswith("?\n\nGREMIO:")
 
