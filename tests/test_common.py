@@ -389,7 +389,50 @@ def test_gpt_init_and_tied_embeddings():
     assert model.wte.padding_idx is None
     x = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
     logits, loss, stats = model(x, x.roll(-1, 1))
-    assert abs(loss.item() - np.log(50)) < 0.1  # near-uniform predictions at init and set(stats) == {"lm_loss"}
+    assert abs(loss.item() - np.log(50)) < 0.1  # near-uniform predictions at init
+    assert stats == {"lm_loss": loss} and not stats["lm_loss"].requires_grad
+    assert model(x)[2] == {}  # no targets: no loss to report
+    # wte 50·32 + 4 blocks × 12,352 (LayerNorms 2·32, c_attn 32·96, c_proj 32·32, MLP 2·32·128)
+    # + ln_f 32; wpe (32·32) is not counted, as in nanoGPT
+    assert model.num_params() == 1600 + 4 * 12_352 + 32
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpt_biases_are_where_config_says_and_never_in_the_head(bias):
+    """Config.bias puts a bias in every Linear and LayerNorm of the GPT (GPT-2 has them, which
+    --init_from gpt2 loads), but the head tied to wte has none in either case."""
+    model = common.Model(tiny(bias=bias))
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm))]
+    assert len(layers) == 2 * 6 + 2  # a block: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj
+    has = {m: m.bias is not None for m in layers}
+    assert has.pop(model.lm_head) is False and set(has.values()) == {bias}
+
+
+def test_gpt_ffn_gelu_is_exact_or_gpt2s_tanh_as_config_says():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32)
+    for gelu in ("none", "tanh"):
+        mlp = common.MLP(tiny(gelu=gelu))
+        want = mlp.c_proj(F.gelu(mlp.c_fc(x), approximate=gelu))
+        assert torch.equal(mlp(x), want)
+        assert not torch.allclose(mlp(x), mlp.c_proj(F.gelu(mlp.c_fc(x), approximate={
+            "none": "tanh", "tanh": "none"}[gelu])), atol=1e-7, rtol=0)
+
+
+def test_gpt_dropout_acts_on_attention_and_residuals_in_training_only(monkeypatch):
+    """Config.dropout p: in training at the embedding, inside attention (SDPA's dropout_p) and on
+    both residual branches of every block; in eval nowhere (p 0 to SDPA, training False)."""
+    sdpa, dropout, seen = F.scaled_dot_product_attention, F.dropout, []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, dropout_p=0.0, **kw:
+                        seen.append(("attn", dropout_p)) or sdpa(*a, dropout_p=dropout_p, **kw))
+    monkeypatch.setattr(F, "dropout", lambda x, p=0.5, training=True, inplace=False:
+                        seen.append(("drop", p, training)) or dropout(x, p, training, inplace))
+    model, idx = common.Model(tiny(dropout=0.3)), torch.zeros(1, 4, dtype=torch.long)
+    for training in (True, False):
+        seen.clear()
+        model.train(training)(idx)
+        block = [("attn", 0.3 if training else 0.0)] + [("drop", 0.3, training)] * 2
+        assert seen == [("drop", 0.3, training)] + block * 2, seen
 
 
 
@@ -1444,6 +1487,12 @@ def test_decodes_cached_says_what_generate_runs(name, flags, monkeypatch):
                                 lambda idx, real=real: calls.append(1) or real(idx))
         model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=0, use_cache=use_cache)
         assert bool(calls) == model.decodes_cached(use_cache), (name, flags, use_cache)
+
+
+def test_gpt_decodes_with_its_cache_unless_told_not_to():
+    model = common.Model(tiny())
+    assert model.decodes_cached() is True and model.decodes_cached(True) is True
+    assert model.decodes_cached(False) is False
 
 
 def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):
