@@ -663,6 +663,42 @@ def test_adamw_does_not_decay_conddepth_action_embeddings():
     assert [wd[id(g.e)] for g in model.gates] == [0.0] * len(model.gates)
 
 
+def test_adamw_is_fused_on_cuda_only():
+    """torch's fused AdamW kernel on CUDA (one launch for every parameter), the default elsewhere;
+    the optimizer is built before any step, so a CUDA device is not needed to see the choice."""
+    model = common.Model(tiny())
+    for device, fused in (("cpu", False), ("cuda", True)):
+        assert common.make_optimizer(model, tiny(), torch.device(device)).defaults["fused"] \
+            is fused
+
+
+def test_cond_is_torch_cond_when_compiled_and_one_branch_in_eager(monkeypatch):
+    """Eager: the host reads pred and runs one branch on the operands; compiled: torch.cond gets
+    pred, both branches and the operands, in that order."""
+    x = torch.tensor([2.0])
+    yes, no = (lambda a, b: a + b), (lambda a, b: a - b)
+    assert common.cond(torch.tensor(True), yes, no, (x, x)).item() == 4.0
+    assert common.cond(torch.tensor(False), yes, no, (x, x)).item() == 0.0
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch, "cond", lambda *a: a)
+    pred = torch.tensor(True)
+    assert common.cond(pred, yes, no, (x,)) == (pred, yes, no, (x,))
+    assert common.cond(pred, yes, no) == (pred, yes, no, ())
+
+
+def test_bpe_that_cannot_load_says_what_to_do(monkeypatch):
+    import tiktoken
+
+    def offline(name):
+        raise ValueError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(common.NanorouteError) as e:
+        common.bpe()
+    assert str(e.value) == ("the GPT-2 BPE vocabulary could not be loaded (ValueError): connect "
+                            "once, or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's "
+                            "r50k_base file")
+
+
 # ---------------------------------------------------------------------------------------------------
 # evaluation
 
