@@ -178,7 +178,8 @@ def test_download_shows_progress_for_a_large_file_every_2_s(tmp_path, monkeypatc
     assert len(printed) == {0: 0, 2: n // 2, 2.5: n}[tick] + (tick > 0 and n > 0)  # + the "\n"
     if not printed:
         return
-    assert printed[-1] == ((), {}) and all(kw == {"end": "", "flush": True} for _, kw in printed[:-1])
+    assert printed[-1] == ((), {})
+    assert all(kw == {"end": "", "flush": True} for _, kw in printed[:-1])
     first, last = ("\r  0/0 MB", "\r  0/0 MB") if total < 10 ** 6 else ("\r  0/2 MB", "\r  2/2 MB")
     assert (printed[0][0], printed[-2][0]) == ((first,), (last,))  # 1.5 MB shows 2 (1.499... 1)
 
