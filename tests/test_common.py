@@ -673,7 +673,7 @@ def test_adamw_is_fused_on_cuda_only():
             is fused
 
 
-def test_cond_is_torch_cond_when_compiled_and_one_branch_in_eager(monkeypatch):
+def test_cond_is_torch_cond_in_a_traced_graph_and_one_branch_in_eager(monkeypatch):
     """Eager: the host reads pred and runs one branch on the operands; compiled: torch.cond gets
     pred, both branches and the operands, in that order."""
     x = torch.tensor([2.0])
