@@ -18,6 +18,7 @@ import zipfile
 
 import numpy as np
 import pytest
+import requests
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -102,6 +103,87 @@ def test_interrupted_download_leaves_nothing_and_says_where_to_put_the_file(serv
     assert os.listdir(tmp_path / "shakespeare") == []
 
 
+class FakeResponse:
+    """What requests.get returns, for what a local server cannot send: a body shorter than its
+    Content-Length that urllib3 does not catch (urllib3 1.x), or no Content-Length at all."""
+
+    def __init__(self, body, length, tick=0):
+        self.body, self.status_code, self.tick, self.now = body, 200, tick, 0
+        self.headers = requests.structures.CaseInsensitiveDict(
+            {} if length is None else {"Content-Length": str(length)})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        pass
+
+    def raise_for_status(self):
+        pass
+
+    def iter_content(self, chunk):
+        for i in range(0, len(self.body), chunk):
+            self.now += self.tick  # each chunk takes `tick` seconds (self.now: the clock)
+            yield self.body[i:i + chunk]
+
+
+@pytest.mark.parametrize("length,error", [
+    (None, None), (6, None), (10, "download interrupted: got 6 of 10 bytes")],
+    ids=["no-length", "whole", "short"])
+def test_download_checks_the_length_the_server_gave_with_the_default_timeout(
+        tmp_path, monkeypatch, capsys, length, error):
+    """No Content-Length: the body as it comes; a body short of it: an error naming both counts;
+    every request has the 30 s default timeout; a small file prints no progress."""
+    asked = []
+    monkeypatch.setattr(common.requests, "get", lambda url, **kw: asked.append(kw)
+                        or FakeResponse(b"abcdef", length))
+    dest = str(tmp_path / "f")
+    if error is None:
+        assert common.download("http://x/f", dest) == dest and open(dest, "rb").read() == b"abcdef"
+    else:
+        with pytest.raises(common.NanorouteError) as e:
+            common.download("http://x/f", dest, retries=1)
+        assert str(e.value) == (f"could not download http://x/f (OSError: {error}); download it "
+                                f"yourself and place it at {dest}")
+        assert os.listdir(tmp_path) == []
+    assert [kw["timeout"] for kw in asked] == [30] and capsys.readouterr().out == ""
+
+
+def test_download_backs_off_between_tries_and_says_what_failed_last(server, tmp_path, monkeypatch):
+    """Waits of 1, 2, 4, 8, 8 s (doubling, at most 8) between six tries and none after the last;
+    the error names the last failure; no .part was written, and none is looked for."""
+    waits = []
+    monkeypatch.setattr(common.time, "sleep", waits.append)
+    with pytest.raises(common.NanorouteError) as e:
+        common.download(server.url + "/missing", str(tmp_path / "f"), retries=6, hint="do this")
+    assert waits == [1, 2, 4, 8, 8, 0] and server.hits == 6
+    assert re.fullmatch(rf"could not download {server.url}/missing \(HTTPError: 404 Client Error: "
+                        r".*\); do this", str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize("chunk,total,shows", [(100, 5000, False), (100, 5001, True),
+                                               (25000, 1_500_000, True)])
+@pytest.mark.parametrize("tick", [0, 2, 2.5])
+def test_download_shows_progress_for_a_large_file_every_2_s(tmp_path, monkeypatch, chunk, total,
+                                                            shows, tick):
+    """A file of more than 50 chunks shows "done/total MB" (rounded, 1 MB = 10^6 bytes) on one
+    line when more than 2 s have passed since the last time it did (or the start), then ends the
+    line; printed flushed at once, so that a terminal shows it."""
+    printed, r = [], FakeResponse(b"x" * total, total, tick)
+    monkeypatch.setattr(common, "print", lambda *a, **kw: printed.append((a, kw)), raising=False)
+    monkeypatch.setattr(common.time, "time", lambda: r.now)
+    monkeypatch.setattr(common.requests, "get", lambda url, **kw: r)
+    common.download("http://x/f", str(tmp_path / "f"), chunk=chunk)
+    n = -(-total // chunk) if shows else 0  # chunks; a line at a chunk > 2 s after the last
+    assert len(printed) == {0: 0, 2: n // 2, 2.5: n}[tick] + (tick > 0 and n > 0)  # + the "\n"
+    if not printed:
+        return
+    assert printed[-1] == ((), {})
+    assert all(kw == {"end": "", "flush": True} for _, kw in printed[:-1])
+    first, last = ("\r  0/0 MB", "\r  0/0 MB") if total < 10 ** 6 else ("\r  0/2 MB", "\r  2/2 MB")
+    assert (printed[0][0], printed[-2][0]) == ((first,), (last,))  # 1.5 MB shows 2 (1.499... 1)
+
+
 def test_offline_uses_the_file_in_place_and_never_touches_the_network(tmp_path, shakespeare_text):
     os.makedirs(tmp_path / "shakespeare")
     (tmp_path / "shakespeare" / "input.txt").write_bytes(shakespeare_text)
@@ -109,14 +191,23 @@ def test_offline_uses_the_file_in_place_and_never_touches_the_network(tmp_path, 
     assert meta["vocab_size"] == 65
 
 
-def test_enwik8_from_a_small_zip(server, tmp_path):
+def test_enwik8_from_a_small_zip(server, tmp_path, monkeypatch):
     raw = bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("enwik8", raw)
     server.routes["/enwik8.zip"] = (buf.getvalue(), None)
+    cuts, read = [], zipfile.ZipFile.read
+
+    class Bytes(bytes):  # records how the member is cut: enwik8 is its first 10^8 bytes
+        def __getitem__(self, k):
+            cuts.append(k)
+            return bytes(self)[k]
+    monkeypatch.setattr(zipfile.ZipFile, "read", lambda z, *a: Bytes(read(z, *a)))
     meta = common.prepare("enwik8", str(tmp_path), url=server.url + "/enwik8.zip")
     assert (meta["train_tokens"], meta["val_tokens"], meta["test_tokens"]) == (3600, 200, 200)
+    assert (meta["unit"], meta["vocab_size"], meta["characters"]) == ("byte", 256, 4000)
+    assert cuts == [slice(None, 10 ** 8)]
     assert bytes(common.load_split("enwik8", "val", str(tmp_path)).astype(np.uint8)) == raw[3600:3800]
 
 
@@ -133,7 +224,7 @@ def test_enwik8_zip_with_a_bad_crc_or_no_enwik8_member_is_corrupt(tmp_path):
     zip without the enwik8 member, is refused naming the zip, before anything is written."""
     zpath = tmp_path / "enwik8" / "enwik8.zip"
     os.makedirs(zpath.parent)
-    for member, flip, says in (("enwik8", True, "CRC mismatch"), ("other", False, "no item")):
+    for member, flip, says in (("enwik8", True, "CRC mismatch"), ("other", False, ".*no item.*")):
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
             z.writestr(member, b"x" * 1000)
@@ -142,7 +233,7 @@ def test_enwik8_zip_with_a_bad_crc_or_no_enwik8_member_is_corrupt(tmp_path):
             body[body.index(b"x" * 1000) + 500] ^= 1
         zpath.write_bytes(bytes(body))
         with pytest.raises(common.NanorouteError, match=f"^{re.escape(str(zpath))} is corrupt "
-                           f"\\(.*{says}.*\\); delete it"):
+                           f"\\({says}\\); delete it and run again, or place a good copy there$"):
             common.prepare("enwik8", str(tmp_path))
         assert os.listdir(zpath.parent) == ["enwik8.zip"]
 
@@ -158,6 +249,7 @@ def test_prepare_writes_the_char_mapping_and_says_what_it_made(tmp_path, capsys)
     assert meta == {"dataset": "shakespeare", "vocab_size": 3, "itos": ["\n", "a", "b"],
                     "unit": "char", "characters": 20, "train_tokens": 18, "val_tokens": 2}
     assert json.loads((d / "meta.json").read_text()) == meta
+    assert common.prepare("shakespeare", str(tmp_path)) == meta  # read back from tmp_path
     assert capsys.readouterr().out == ("prepared shakespeare: vocab_size 3, characters 20, "
                                        "train_tokens 18, val_tokens 2\n")
     assert np.fromfile(d / "train.bin", dtype=np.uint16).tolist() == [2, 1, 0, 1, 2] * 3 + [2, 1, 0]
@@ -168,9 +260,15 @@ def test_prepare_writes_the_char_mapping_and_says_what_it_made(tmp_path, capsys)
         os.makedirs(d)
         (d / "input.txt").write_text(text, encoding="utf-8")
         with pytest.raises(common.NanorouteError, match=f"^shakespeare gives {re.escape(says)}: "
-                           f"its input in {re.escape(str(d))} is empty or too short"):
+                           f"its input in {re.escape(str(d))} is empty or too short; put "
+                           "the full file there and run again$"):
             common.prepare("shakespeare", str(tmp_path))
         assert os.listdir(d) == ["input.txt"]
+    (d / "input.txt").write_bytes(b"ab\xffcd")
+    with pytest.raises(common.NanorouteError) as e:
+        common.prepare("shakespeare", str(tmp_path))
+    assert str(e.value) == (f"{d / 'input.txt'} is not UTF-8 text (invalid start byte at byte 2); "
+                            "replace it with Tiny Shakespeare's input.txt")
     (tmp_path / "file").write_text("x")
     with pytest.raises(common.NanorouteError, match="^--data_dir .*file is a file, not a dir"):
         common.prepare("copy", str(tmp_path / "file"))
@@ -188,12 +286,13 @@ def test_copy_and_sort_data_are_pinned(tmp_path):
                                0, 0, 2, 3, 5, 7, 13, 16, 19, 22, 34]}
     for (task, split), record in first.items():
         meta = common.prepare(task, str(tmp_path))
-        assert (meta["train_tokens"], meta["val_tokens"]) == (230_000, 23_000)
+        assert (meta["train_tokens"], meta["val_tokens"], meta["unit"]) == (230_000, 23_000,
+                                                                            "token")
         assert common.load_split(task, split, str(tmp_path))[:23].tolist() == record
 
 def test_shakespeare_bpe(data_dir):
     meta = common.prepare("shakespeare_bpe", data_dir)
-    assert meta["vocab_size"] == 50257
+    assert (meta["vocab_size"], meta["encoding"], meta["unit"]) == (50257, "r50k_base", "token")
     val = common.load_split("shakespeare_bpe", "val", data_dir)
     assert common.decode(meta, val[:50].tolist()).startswith("?\n\nGREMIO:")
 
@@ -291,7 +390,50 @@ def test_gpt_init_and_tied_embeddings():
     assert model.wte.padding_idx is None
     x = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
     logits, loss, stats = model(x, x.roll(-1, 1))
-    assert abs(loss.item() - np.log(50)) < 0.1  # near-uniform predictions at init and set(stats) == {"lm_loss"}
+    assert abs(loss.item() - np.log(50)) < 0.1  # near-uniform predictions at init
+    assert stats == {"lm_loss": loss} and not stats["lm_loss"].requires_grad
+    assert model(x)[2] == {}  # no targets: no loss to report
+    # wte 50·32 + 4 blocks × 12,352 (LayerNorms 2·32, c_attn 32·96, c_proj 32·32, MLP 2·32·128)
+    # + ln_f 32; wpe (32·32) is not counted, as in nanoGPT
+    assert model.num_params() == 1600 + 4 * 12_352 + 32
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpt_biases_are_where_config_says_and_never_in_the_head(bias):
+    """Config.bias puts a bias in every Linear and LayerNorm of the GPT (GPT-2 has them, which
+    --init_from gpt2 loads), but the head tied to wte has none in either case."""
+    model = common.Model(tiny(bias=bias))
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm))]
+    assert len(layers) == 2 * 6 + 2  # a block: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj
+    has = {m: m.bias is not None for m in layers}
+    assert has.pop(model.lm_head) is False and set(has.values()) == {bias}
+
+
+def test_gpt_ffn_gelu_is_exact_or_gpt2s_tanh_as_config_says():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32)
+    for gelu in ("none", "tanh"):
+        mlp = common.MLP(tiny(gelu=gelu))
+        want = mlp.c_proj(F.gelu(mlp.c_fc(x), approximate=gelu))
+        assert torch.equal(mlp(x), want)
+        assert not torch.allclose(mlp(x), mlp.c_proj(F.gelu(mlp.c_fc(x), approximate={
+            "none": "tanh", "tanh": "none"}[gelu])), atol=1e-7, rtol=0)
+
+
+def test_gpt_dropout_acts_on_attention_and_residuals_in_training_only(monkeypatch):
+    """Config.dropout p: in training at the embedding, inside attention (SDPA's dropout_p) and on
+    both residual branches of every block; in eval nowhere (p 0 to SDPA, training False)."""
+    sdpa, dropout, seen = F.scaled_dot_product_attention, F.dropout, []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, dropout_p=0.0, **kw:
+                        seen.append(("attn", dropout_p)) or sdpa(*a, dropout_p=dropout_p, **kw))
+    monkeypatch.setattr(F, "dropout", lambda x, p=0.5, training=True, inplace=False:
+                        seen.append(("drop", p, training)) or dropout(x, p, training, inplace))
+    model, idx = common.Model(tiny(dropout=0.3)), torch.zeros(1, 4, dtype=torch.long)
+    for training in (True, False):
+        seen.clear()
+        model.train(training)(idx)
+        block = [("attn", 0.3 if training else 0.0)] + [("drop", 0.3, training)] * 2
+        assert seen == [("drop", 0.3, training)] + block * 2, seen
 
 
 
@@ -520,6 +662,42 @@ def test_adamw_does_not_decay_conddepth_action_embeddings():
     opt = common.make_optimizer(model, cfg, torch.device("cpu"))
     wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     assert [wd[id(g.e)] for g in model.gates] == [0.0] * len(model.gates)
+
+
+def test_adamw_is_fused_on_cuda_only():
+    """torch's fused AdamW kernel on CUDA (one launch for every parameter), the default elsewhere;
+    the optimizer is built before any step, so a CUDA device is not needed to see the choice."""
+    model = common.Model(tiny())
+    for device, fused in (("cpu", False), ("cuda", True)):
+        assert common.make_optimizer(model, tiny(), torch.device(device)).defaults["fused"] \
+            is fused
+
+
+def test_cond_is_torch_cond_in_a_traced_graph_and_one_branch_in_eager(monkeypatch):
+    """Eager: the host reads pred and runs one branch on the operands; compiled: torch.cond gets
+    pred, both branches and the operands, in that order."""
+    x = torch.tensor([2.0])
+    yes, no = (lambda a, b: a + b), (lambda a, b: a - b)
+    assert common.cond(torch.tensor(True), yes, no, (x, x)).item() == 4.0
+    assert common.cond(torch.tensor(False), yes, no, (x, x)).item() == 0.0
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch, "cond", lambda *a: a)
+    pred = torch.tensor(True)
+    assert common.cond(pred, yes, no, (x,)) == (pred, yes, no, (x,))
+    assert common.cond(pred, yes, no) == (pred, yes, no, ())
+
+
+def test_bpe_that_cannot_load_says_what_to_do(monkeypatch):
+    import tiktoken
+
+    def offline(name):
+        raise ValueError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(common.NanorouteError) as e:
+        common.bpe()
+    assert str(e.value) == ("the GPT-2 BPE vocabulary could not be loaded (ValueError): connect "
+                            "once, or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's "
+                            "r50k_base file")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1346,6 +1524,12 @@ def test_decodes_cached_says_what_generate_runs(name, flags, monkeypatch):
                                 lambda idx, real=real: calls.append(1) or real(idx))
         model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=0, use_cache=use_cache)
         assert bool(calls) == model.decodes_cached(use_cache), (name, flags, use_cache)
+
+
+def test_gpt_decodes_with_its_cache_unless_told_not_to():
+    model = common.Model(tiny())
+    assert model.decodes_cached() is True and model.decodes_cached(True) is True
+    assert model.decodes_cached(False) is False
 
 
 def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):

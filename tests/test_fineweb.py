@@ -88,9 +88,14 @@ def hub(monkeypatch):
 
 def test_download_prepares_the_shards_once_and_reads_them(hub, tmp_path, capsys):
     meta = common.prepare("fineweb_edu", str(tmp_path), shards=2)
-    assert (meta["train_tokens"], meta["val_tokens"], meta["vocab_size"]) == (6500, 3000, 50257)
-    assert meta["shards"] == {"train": [TRAIN1, TRAIN2], "val": [VAL]}
-    assert "train_tokens 6,500" in capsys.readouterr().out  # prepare says what it produced
+    assert meta == {"dataset": "fineweb_edu", "vocab_size": 50257, "encoding": "r50k_base",
+                    "unit": "token", "shards": {"train": [TRAIN1, TRAIN2], "val": [VAL]},
+                    "train_tokens": 6500, "val_tokens": 3000}
+    base = hub.url + HUB_PATH  # prepare says what it fetches, from where, and what it produced
+    assert capsys.readouterr().out == (
+        f"downloading {VAL} (1/3) from {base}\ndownloading {TRAIN1} (2/3) from {base}\n"
+        f"downloading {TRAIN2} (3/3) from {base}\nprepared fineweb_edu: 2 training shard(s), "
+        "train_tokens 6,500, val_tokens 3,000, vocab_size 50,257\n")
     assert common.load_meta("fineweb_edu", str(tmp_path)) == meta  # what other ranks read
     val = common.load_split("fineweb_edu", "val", str(tmp_path))
     assert isinstance(val, np.memmap) and np.array_equal(val, hub.toks[VAL])
@@ -157,6 +162,23 @@ def test_a_range_answered_from_elsewhere_starts_again(hub, tmp_path):
     assert (d / TRAIN1).read_bytes() == hub.files[TRAIN1]
 
 
+@pytest.mark.parametrize("misplaced,why", [
+    (False, "the partial download does not fit the file: starting again"),
+    (True, "asked for bytes 5000- and got 'bytes 0-9023/9024': starting again")],
+    ids=["416", "misplaced"])
+def test_a_part_that_cannot_be_continued_is_dropped_saying_why(hub, tmp_path, misplaced, why):
+    """A part longer than the file (416), or a range answered from byte 0: the part is deleted
+    and the try fails with the reason (the next try starts again from byte 0)."""
+    dest = str(tmp_path / TRAIN1)
+    open(dest + ".part", "wb").write(hub.files[TRAIN1][:5000] if misplaced else b"x" * 20000)
+    hub.misplaced = misplaced
+    url = hub.url + HUB_PATH + TRAIN1
+    with pytest.raises(common.NanorouteError) as e:
+        common.download(url, dest, retries=1, resume=True, hint="do this")
+    assert str(e.value) == f"could not download {url} (OSError: {why}); do this"
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_server_without_ranges_sends_the_whole_file_and_it_replaces_the_part(hub, tmp_path):
     d = tmp_path / "fineweb_edu"
     os.makedirs(d)
@@ -168,18 +190,35 @@ def test_a_server_without_ranges_sends_the_whole_file_and_it_replaces_the_part(h
     assert (d / TRAIN1).read_bytes() == hub.files[TRAIN1]
 
 
-def test_a_resumed_download_checks_the_sha256_of_the_whole_file(hub, tmp_path):
+def test_a_resumed_download_checks_the_sha256_of_the_whole_file(hub, tmp_path, monkeypatch):
     """The hash covers the bytes already in the .part file, not just the ones fetched now."""
     body = hub.files[TRAIN1]
     dest = str(tmp_path / "f.bin")
     open(dest + ".part", "wb").write(body[:5000])
-    url = hub.url + HUB_PATH + TRAIN1
-    common.download(url, dest, sha256=hashlib.sha256(body).hexdigest(), resume=True)
+    url, want = hub.url + HUB_PATH + TRAIN1, hashlib.sha256(body).hexdigest()
+    sizes, sha256 = [], hashlib.sha256
+
+    class Sha:  # records what is hashed at a time: a part file is read a chunk at a time
+        def __init__(self):
+            self.h = sha256()
+
+        def update(self, b):
+            sizes.append(len(b))
+            self.h.update(b)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+    monkeypatch.setattr(common.hashlib, "sha256", Sha)
+    common.download(url, dest, sha256=want, resume=True, chunk=1000)
     assert hub.ranges == ["bytes=5000-"] and open(dest, "rb").read() == body
+    assert sizes[:5] == [1000] * 5 and max(sizes) <= 1000 and sum(sizes) == len(body)
     other = str(tmp_path / "g.bin")
     open(other + ".part", "wb").write(b"y" * 5000)  # a part that is not this file's start
-    with pytest.raises(common.NanorouteError, match="sha256 mismatch"):
-        common.download(url, other, sha256=hashlib.sha256(body).hexdigest(), resume=True)
+    got = sha256(b"y" * 5000 + body[5000:]).hexdigest()
+    with pytest.raises(common.NanorouteError) as e:
+        common.download(url, other, sha256=want, resume=True)
+    assert str(e.value) == (f"{url}: sha256 mismatch (got {got[:12]}…, expected {want[:12]}…); "
+                            f"place a good copy at {other}")
     assert not os.path.exists(other) and not os.path.exists(other + ".part")  # not kept
 
 
@@ -196,10 +235,23 @@ def test_offline_without_the_shards_is_one_line_naming_the_files_and_the_folder(
                                                                                  monkeypatch):
     monkeypatch.setattr(common.time, "sleep", lambda s: None)
     with pytest.raises(common.NanorouteError) as e:
-        common.prepare("fineweb_edu", str(tmp_path), url="http://127.0.0.1:9/unreachable")
-    msg = str(e.value)
-    assert "\n" not in msg and VAL in msg and TRAIN1 in msg
-    assert str(tmp_path / "fineweb_edu") in msg
+        common.prepare("fineweb_edu", str(tmp_path), url="http://127.0.0.1:9/mirrorX/")
+    base, d = "http://127.0.0.1:9/mirrorX/", re.escape(str(tmp_path / "fineweb_edu"))
+    assert re.fullmatch(rf"could not download {base}{VAL} \(ConnectionError: .*\); download "
+                        rf"{VAL}, {TRAIN1} from {base} into {d}/ \(a \.part file there is "
+                        r"continued\)", str(e.value)), str(e.value)
+
+
+def test_a_mirror_url_is_used_with_or_without_its_slash_and_one_shard_is_the_default(hub,
+                                                                                    tmp_path):
+    """prepare's url is the folder holding the shards; the Hub that NANOROUTE_HF_URL names is
+    not asked then."""
+    url = hub.url + HUB_PATH
+    os.environ["NANOROUTE_HF_URL"] = "http://127.0.0.1:9"  # hub's monkeypatch restores it
+    meta = common.prepare("fineweb_edu", str(tmp_path / "a"), url=url)
+    assert meta["shards"] == {"train": [TRAIN1], "val": [VAL]}
+    meta = common.prepare_fineweb(str(tmp_path / "b"), url=url.rstrip("/"))
+    assert meta["shards"] == {"train": [TRAIN1], "val": [VAL]}
 
 
 @pytest.mark.parametrize("bad, why", [
@@ -253,6 +305,20 @@ def test_a_shard_is_read_by_its_header_alone_and_named_when_unreadable(tmp_path,
         common.read_shard(str(tmp_path))
     assert str(e.value) == f"{tmp_path} cannot be read (Is a directory)"
 
+def test_a_split_without_shards_in_meta_json_is_refused_saying_what_to_run(tmp_path):
+    d = tmp_path / "fineweb_edu"
+    os.makedirs(d)
+    (d / TRAIN1).write_bytes(shard_bytes(tokens(500, 1)))
+    meta = {"dataset": "fineweb_edu", "vocab_size": 50257, "encoding": "r50k_base",
+            "shards": {"train": [TRAIN1]}, "train_tokens": 500, "val_tokens": 0}
+    (d / "meta.json").write_text(json.dumps(meta))
+    assert len(common.load_split("fineweb_edu", "train", str(tmp_path))) == 500
+    with pytest.raises(common.NanorouteError) as e:
+        common.load_split("fineweb_edu", "val", str(tmp_path))
+    assert str(e.value) == (f"{d / 'meta.json'} names no val shards; run train.py --dataset "
+                            "fineweb_edu to prepare it")
+
+
 def test_a_shard_damaged_after_preparation_is_refused_when_loaded(hub, tmp_path):
     common.prepare("fineweb_edu", str(tmp_path), shards=2)
     path = tmp_path / "fineweb_edu" / TRAIN2
@@ -275,11 +341,13 @@ def test_windows_never_cross_a_shard_end():
 def test_windows_are_y_shifted_x_and_reach_every_start():
     """Every window (start) of every shard is drawn, the last included; y = x shifted by one."""
     a, b = np.arange(0, 12, dtype=np.uint16), np.arange(100, 110, dtype=np.uint16)
-    shards = common.Shards([a, b])
+    c = np.arange(200, 207, dtype=np.uint16)
+    shards = common.Shards([a, b, c])
     x, y = shards.batch(4000, 4, np.random.default_rng(1))
     assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y[:, -1], x[:, -1] + 1)
     starts = set(x[:, 0].tolist())
-    assert starts == set(range(0, 12 - 5 + 1)) | set(range(100, 100 + 10 - 5 + 1))  # 5 tokens
+    assert starts == set(range(0, 12 - 5 + 1)) | set(range(100, 100 + 10 - 5 + 1)) \
+        | set(range(200, 200 + 7 - 5 + 1))  # windows of 5 tokens
 
 
 def test_shards_are_drawn_in_proportion_to_their_windows():
