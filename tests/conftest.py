@@ -30,15 +30,16 @@ def killed_at(step):
         common.lr_at = real
 
 
-os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(ROOT, "..", "shared", "data", "tiktoken_cache"))
+os.environ.setdefault("TIKTOKEN_CACHE_DIR",
+                      os.path.join(ROOT, "..", "shared", "data", "tiktoken_cache"))
 
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     """A data/ folder with Tiny Shakespeare already in place (the offline path: no network)."""
     d = tmp_path_factory.mktemp("data")
-    src = next((p for p in (os.path.join(ROOT, "data", "shakespeare", "input.txt"), SHARED_SHAKESPEARE)
-                if os.path.exists(p)), None)
+    local = os.path.join(ROOT, "data", "shakespeare", "input.txt")
+    src = next((p for p in (local, SHARED_SHAKESPEARE) if os.path.exists(p)), None)
     if src is None:
         pytest.skip("Tiny Shakespeare not available offline")
     os.makedirs(d / "shakespeare")
@@ -46,10 +47,10 @@ def data_dir(tmp_path_factory):
     return str(d)
 
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # The device × dtype matrix every model contract runs on: CPU fp32 and CPU bf16 autocast
-# always; CUDA (its training dtype) and MPS (fp32) when present, skipped visibly otherwise. Tests take
-# the `dev` fixture and never depend on which device "auto" would pick.
+# always; CUDA (its training dtype) and MPS (fp32) when present, skipped visibly otherwise.
+# Tests take the `dev` fixture and never depend on which device "auto" would pick.
 
 class Dev:
     def __init__(self, device, dtype):
@@ -70,7 +71,8 @@ class Dev:
 
 def _dev_params():
     import common
-    out = [pytest.param(("cpu", "fp32"), id="cpu-fp32"), pytest.param(("cpu", "bf16"), id="cpu-bf16")]
+    out = [pytest.param(("cpu", "fp32"), id="cpu-fp32"),
+           pytest.param(("cpu", "bf16"), id="cpu-bf16")]
     has_cuda = torch.cuda.is_available()
     cuda_dt = common.default_dtype(torch.device("cuda")) if has_cuda else "bf16"
     out.append(pytest.param(("cuda", cuda_dt), id=f"cuda-{cuda_dt}",
@@ -89,8 +91,9 @@ def dev(request):
 
 @torch.no_grad()
 def decoded_vs_full(model, idx, start):
-    """Logits of prefill(idx[:, :start]) then one step per later token, and the full forward's logits at the
-    same positions: (steps (B, T − start + 1, V), full (B, T − start + 1, V)), both fp32."""
+    """Logits of prefill(idx[:, :start]) then one step per later token, and the full forward's
+    logits at the same positions: (steps (B, T − start + 1, V), full (B, T − start + 1, V)), both
+    fp32."""
     full, _, _ = model(idx)                                   # (B, T, V)
     logits, state = model.prefill(idx[:, :start])
     steps = [logits]
@@ -102,12 +105,13 @@ def decoded_vs_full(model, idx, start):
 
 @torch.no_grad()
 def compiled_decode_matches(model, prompt, n, backend="aot_eager"):
-    """Greedy decoding with torch.compile(model.step) equals the eager step token for token, and the compiled
-    step's shapes do not change from token to token: after the first two tokens (the first call traces, the
-    second may specialise once) no new graph is compiled. aot_eager runs dynamo's capture and AOT tracing
-    without inductor's C++ build (what the CUDA-graph capture of reduce-overhead needs: one graph per decode
-    variant); the inductor run on CPU is tested on the dense GPT only (slow to build). Returns the number of
-    graphs compiled (routed models that decide on the host per layer compile one per variant)."""
+    """Greedy decoding with torch.compile(model.step) equals the eager step token for token, and the
+    compiled step's shapes do not change from token to token: after the first two tokens (the first
+    call traces, the second may specialise once) no new graph is compiled. aot_eager runs dynamo's
+    capture and AOT tracing without inductor's C++ build (what the CUDA-graph capture of
+    reduce-overhead needs: one graph per decode variant); the inductor run on CPU is tested on the
+    dense GPT only (slow to build). Returns the number of graphs compiled (routed models that decide
+    on the host per layer compile one per variant)."""
     import torch._dynamo as dynamo
     dynamo.reset()
     before = dynamo.utils.counters["stats"]["unique_graphs"]  # the counter runs on across resets
@@ -124,5 +128,6 @@ def compiled_decode_matches(model, prompt, n, backend="aot_eager"):
             logits, state = fn(tok, state)
         out[name] = torch.cat(toks, 1)
     assert torch.equal(out["eager"], out["compiled"]), (out["eager"], out["compiled"])
-    assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a decode step recompiled: its shapes change"
+    assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs, \
+        "a decode step recompiled: its shapes change"
     return graphs - before
