@@ -983,11 +983,10 @@ def make_optimizer(model, cfg, device):
     conddepth's action embeddings), whatever their names."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     maps = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d))}
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
+    decay, no_decay = [], []
+    for p in model.parameters():               # yields the tied wte/lm_head weight once
+        if not p.requires_grad:
             continue
-        seen.add(id(p))
         (decay if id(p) in maps - embeddings else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
