@@ -1354,3 +1354,32 @@ def test_parse_resume_and_overwrite_refusals_by_text(argv, error, tmp_path, monk
     --out_dir looks where a new run of that --model and --dataset would have been written."""
     monkeypatch.chdir(tmp_path)
     assert refused(train.parse, argv) == error
+
+
+def test_compile_checked_undoes_its_trial_step(monkeypatch):
+    """compile_checked's trial forward and backward leave no trace: the RNG state, every buffer
+    and every gradient are as before, so a --compile run is the run it would be without it. A
+    stand-in for torch.compile (the model itself) whose step draws random numbers, bumps a buffer
+    and makes gradients (the trial runs the backward too: the compiler builds it separately)."""
+    class Stub(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+            self.register_buffer("count", torch.zeros(2))
+
+        def forward(self, x, y):
+            self.seen = (x, y)
+            self.count += torch.rand(2) + 1
+            return None, (self.w * torch.rand(3)).sum(), {}
+
+    model, compiled_args, backward = Stub(), [], []
+    model.w.register_hook(lambda g: backward.append(g.clone()))
+    monkeypatch.setattr(torch, "compile", lambda m: compiled_args.append(m) or m)
+    cfg = common.Config(batch_size=2, block_size=3, seed=5)
+    data = __import__("numpy").arange(50, dtype="uint16")
+    torch.manual_seed(0)
+    rng = torch.get_rng_state()
+    assert train.compile_checked(model, cfg, data, {}, torch.device("cpu")) is model
+    assert compiled_args == [model] and torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(model.count, torch.zeros(2)) and model.w.grad is None
+    assert len(backward) == 1 and model.seen[0].shape == (2, 3)
