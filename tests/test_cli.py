@@ -1383,3 +1383,50 @@ def test_compile_checked_undoes_its_trial_step(monkeypatch):
     assert compiled_args == [model] and torch.equal(torch.get_rng_state(), rng)
     assert torch.equal(model.count, torch.zeros(2)) and model.w.grad is None
     assert len(backward) == 1 and model.seen[0].shape == (2, 3)
+
+
+def test_render_routing_text_and_page_exactly():
+    """The routing picture, character for character: values clamped to [0, 1] (1.7 reads as 1,
+    -0.3 as 0), '#' only above 0.5, lines broken at `width` characters and after a newline (⏎),
+    each row's mean; ANSI colours from _mix; the page escapes every text it shows."""
+    meta = {"dataset": "shakespeare", "itos": list("\nabc ")}
+    idx = [1, 2, 3, 4, 0, 1, 2, 3]  # "abc \nabc"
+    m = torch.tensor([[1.7, 0.5, 0.51, 0, 0, 1, -0.3, 1], [0.2, 0, 0, 0, 0, 0, 1, 0.4]])
+    text = train.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo",
+                                color=False, width=3)
+    assert text == ("demo   legend: cheap = light '.', costly = dark '#'\n"
+                    "-- layer 1: costly 50%\nabc\n#.#\n ⏎\n..\nabc\n#.#\n"
+                    "-- layer 2: costly 20%\nabc\n...\n ⏎\n..\nabc\n.#.")
+    colored = train.render_routing(meta, idx[:3], m[:1, :3], ["layer 1"], ("cheap", "costly"), "demo")
+    assert colored == ("demo   legend: cheap = light (blue), costly = dark (orange)\n"
+                       "-- layer 1: costly 67%\n"
+                       "\x1b[38;2;0;0;0;48;2;239;138;54ma\x1b[0m"
+                       "\x1b[38;2;0;0;0;48;2;226;186;151mb\x1b[0m"
+                       "\x1b[38;2;0;0;0;48;2;227;185;149mc\x1b[0m")
+    assert train._mix(0.0) == (214, 234, 248) and train._mix(1.0) == (239, 138, 54)
+    one = train.render_routing({"dataset": "shakespeare", "itos": ["X"]}, [0], torch.ones(1, 1),
+                               ["l"], ("a", "b"), "t", color=False)
+    assert one == "t   legend: a = light '.', b = dark '#'\n-- l: b 100%\nX\n#"
+
+
+def test_render_routing_page_exactly(tmp_path):
+    meta = {"dataset": "shakespeare", "itos": list("\n<b&")}
+    path = tmp_path / "routing.html"
+    train.render_routing(meta, [1, 2, 3], torch.tensor([[1.0, 0.25, 0]]), ["l<1>"],
+                         ("cheap", "cost&ly"), "a<b>", str(path), color=False)
+    span = '<span style="background:rgb({})"{}>{}</span>'
+    assert path.read_text(encoding="utf-8") == (
+        '<!doctype html>\n<html><head><meta charset="utf-8"><title>a&lt;b&gt;</title>\n'
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#111;"
+        "background:#fff}pre{font-size:16px;line-height:1.6;white-space:pre-wrap;"
+        "word-break:break-all;border:1px solid #ccc;padding:.5em}h2{font-size:1em;"
+        "margin:1.2em 0 .2em}span{color:#000}</style></head><body>\n<h1>a&lt;b&gt;</h1>\n"
+        "<p>Each token is coloured by what the model ran for it in each layer. "
+        + span.format("214, 234, 248", "", "&nbsp;cheap&nbsp;") + " "
+        + span.format("226, 186, 151", "", "&nbsp;between&nbsp;") + " "
+        + span.format("239, 138, 54", "", "&nbsp;cost&amp;ly&nbsp;") + " </p>\n"
+        "<h2>l&lt;1&gt; <small>(cost&amp;ly 42%)</small></h2>\n<pre>"
+        + span.format("239, 138, 54", ' title="1.00"', "&lt;")
+        + span.format("220, 210, 200", ' title="0.25"', "b")
+        + span.format("214, 234, 248", ' title="0.00"', "&amp;")
+        + "</pre>\n</body></html>\n")
