@@ -214,6 +214,9 @@ def test_gradient_reaches_the_router_through_the_weight_only():
     for b in r_blocks(m):
         assert b.router.weight.grad.abs().sum() > 0
         assert all(p.grad is None or not p.grad.any() for p in b.predictor.parameters())
+    k = mod.capacity_k(0.25, 32)
+    for r, z, mem, _ in m.trunk(m.embed(x), "topk")[1]:  # training's top-k: the router's, not z's
+        assert torch.equal(mem, mod.top_k(r, k)[1]) and not torch.equal(mem, mod.top_k(z, k)[1])
     m.zero_grad()
     _, _, st = m(x, x)  # the BCE alone, recomputed from the routes
     aux = torch.stack([F.binary_cross_entropy_with_logits(z, mem.double())
