@@ -130,6 +130,8 @@ def test_cli_refuses_bad_capacity_before_any_work(capsys, tmp_path):
 def test_paper_constants_and_pattern():
     cfg = mod.Config()
     assert (cfg.capacity, cfg.every) == (0.125, 2)  # the paper's best: 12.5%, every other block
+    # ours where the paper gives none (the docstring's choices): BCE weight, r̂ = σ(r), method a
+    assert (cfg.aux_weight, cfg.router_weight, cfg.predictor) == (0.1, "sigmoid", "aux_loss")
     assert mod.Config(n_layer=6, n_head=2, n_embd=8).pattern == "TRTRTR"
     assert mod.Config(n_layer=3, n_head=2, n_embd=8, every=1).pattern == "RRR"
     c = mod.PRESETS["classroom"]
