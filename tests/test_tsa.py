@@ -765,6 +765,7 @@ def test_routing_map(variant):
     assert legend == ("halted", "active") and rows[1:] == ["layer 1", "layer 2", "layer 3"]
     assert torch.allclose(mp[0], mp[1:].mean(0)) and set(mp[1:].unique().tolist()) <= {0.0, 1.0}
     m.eval()
+    assert torch.equal(m.routing_map(x)[0], mp) and not m.training  # the mode is restored
     with torch.no_grad():
         st = m(x)[2]
     assert torch.allclose(mp[1:].mean(1), torch.stack([1 - st[f"skip_l{i}"] for i in (1, 2, 3)]).float())
