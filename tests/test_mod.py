@@ -153,6 +153,18 @@ def test_router_parameters_and_dense_checkpoint_loads():
     assert all(".router." in k or ".predictor." in k for k in missing)
 
 
+def test_init_scales_pinned():
+    """common.LM's init on a routed block: w_θ, the predictor and Q/K/V N(0, 0.02), W_O
+    N(0, 0.02/√(2L)), biases 0."""
+    torch.manual_seed(0)
+    m = mod.Model(mod.Config(n_layer=4, n_head=4, n_embd=256, predictor="mlp", bias=True))
+    b = r_blocks(m)[0]
+    for w, std in ((b.router.weight, 0.02), (b.predictor.fc1.weight, 0.02),
+                   (b.attn.c_attn.weight, 0.02), (b.attn.c_proj.weight, 0.02 / 8 ** 0.5)):
+        assert w.std().item() == pytest.approx(std, rel=0.1 if w.numel() < 1000 else 0.02)
+    assert not b.router.bias.any() and not b.predictor.fc1.bias.any()
+
+
 # --------------------------------------------------------------------------------------------------
 # top-k routing in training, eq. (3)
 
