@@ -165,6 +165,15 @@ def test_init_scales_pinned():
     assert not b.router.bias.any() and not b.predictor.fc1.bias.any()
 
 
+def test_predictor_is_the_silu_mlp_by_value():
+    """Eq. (5)'s predictor, d → max(d/4, 16) → 1 with SiLU, is the causal logit z of method b."""
+    b = r_blocks(make(predictor="mlp", bias=True))[0]
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    p = b.predictor
+    want = F.silu(x @ p.fc1.weight.T + p.fc1.bias) @ p.fc2.weight.T + p.fc2.bias  # (B, T, 1)
+    assert torch.allclose(b.route(x)[1], want[..., 0], atol=1e-12)
+
+
 # --------------------------------------------------------------------------------------------------
 # top-k routing in training, eq. (3)
 
