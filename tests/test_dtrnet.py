@@ -92,7 +92,8 @@ def test_patterns():
 @pytest.mark.parametrize("kw, msg", [
     (dict(layers="DTTT"), "first and last"), (dict(layers="TTTD"), "first and last"),
     (dict(layers="TXDT"), "string of T and D"), (dict(layers="TDT"), "n_layer=4"),
-    (dict(layers=""), "string of T and D"), (dict(variant="mod"), "variant"), (dict(lam=-1.0), "lam"), (dict(lam=-1e-6), "lam"),
+    (dict(layers=""), "string of T and D"), (dict(variant="mod"), "variant"), (dict(lam=-1.0), "lam"),
+    (dict(lam=-1e-6), "lam"),
     (dict(lam=float("nan")), "lam"), (dict(norm="batchnorm"), "norm"),
 ])
 def test_config_errors_are_one_line(kw, msg):

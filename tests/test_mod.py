@@ -614,7 +614,8 @@ def test_routing_map():
     assert mp.shape == (2, 30) and mp.device.type == "cpu" and mp.dtype == torch.float32
     assert torch.equal(mp[0], table[0].float()) and torch.equal(mp[1], (~table[0]).float())
     assert rows == ["layer 1", "layer 3"] and legend[1] == "block" and m.training
-    assert torch.equal(m.eval().routing_map(torch.randint(0, 50, (1, 30)))[0], mp) and not m.training
+    mp_eval = m.eval().routing_map(torch.randint(0, 50, (1, 30)))[0]
+    assert torch.equal(mp_eval, mp) and not m.training  # the mode is restored
 
 
 # --------------------------------------------------------------------------------------------------
