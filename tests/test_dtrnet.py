@@ -93,6 +93,7 @@ def test_patterns():
     (dict(layers="DTTT"), "first and last"), (dict(layers="TTTD"), "first and last"),
     (dict(layers="TXDT"), "string of T and D"), (dict(layers="TDT"), "n_layer=4"),
     (dict(layers=""), "string of T and D"), (dict(variant="mod"), "variant"), (dict(lam=-1.0), "lam"),
+    (dict(lam=-1e-6), "lam"),
     (dict(lam=float("nan")), "lam"), (dict(norm="batchnorm"), "norm"),
 ])
 def test_config_errors_are_one_line(kw, msg):
@@ -675,6 +676,7 @@ def test_routing_map():
     assert mp.shape == (2, 30) and mp.device.type == "cpu" and mp.dtype == torch.float32
     assert torch.equal(mp[0], table[0].float()) and torch.equal(mp[1], (~table[0]).float())
     assert rows == ["layer 1", "layer 2"] and legend[1] == "attention" and m.training
+    assert torch.equal(m.eval().routing_map(torch.randint(0, 50, (1, 30)))[0], mp) and not m.training
 
 
 def test_flops_accounting():

@@ -130,6 +130,8 @@ def test_cli_refuses_bad_capacity_before_any_work(capsys, tmp_path):
 def test_paper_constants_and_pattern():
     cfg = mod.Config()
     assert (cfg.capacity, cfg.every) == (0.125, 2)  # the paper's best: 12.5%, every other block
+    # ours where the paper gives none (the docstring's choices): BCE weight, r̂ = σ(r), method a
+    assert (cfg.aux_weight, cfg.router_weight, cfg.predictor) == (0.1, "sigmoid", "aux_loss")
     assert mod.Config(n_layer=6, n_head=2, n_embd=8).pattern == "TRTRTR"
     assert mod.Config(n_layer=3, n_head=2, n_embd=8, every=1).pattern == "RRR"
     c = mod.PRESETS["classroom"]
@@ -149,6 +151,27 @@ def test_router_parameters_and_dense_checkpoint_loads():
     missing, unexpected = m.load_state_dict(common.Model(m.cfg).state_dict(), strict=False)
     assert not unexpected and missing
     assert all(".router." in k or ".predictor." in k for k in missing)
+
+
+def test_init_scales_pinned():
+    """common.LM's init on a routed block: w_θ, the predictor and Q/K/V N(0, 0.02), W_O
+    N(0, 0.02/√(2L)), biases 0."""
+    torch.manual_seed(0)
+    m = mod.Model(mod.Config(n_layer=4, n_head=4, n_embd=256, predictor="mlp", bias=True))
+    b = r_blocks(m)[0]
+    for w, std in ((b.router.weight, 0.02), (b.predictor.fc1.weight, 0.02),
+                   (b.attn.c_attn.weight, 0.02), (b.attn.c_proj.weight, 0.02 / 8 ** 0.5)):
+        assert w.std().item() == pytest.approx(std, rel=0.1 if w.numel() < 1000 else 0.02)
+    assert not b.router.bias.any() and not b.predictor.fc1.bias.any()
+
+
+def test_predictor_is_the_silu_mlp_by_value():
+    """Eq. (5)'s predictor, d → max(d/4, 16) → 1 with SiLU, is the causal logit z of method b."""
+    b = r_blocks(make(predictor="mlp", bias=True))[0]
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    p = b.predictor
+    want = F.silu(x @ p.fc1.weight.T + p.fc1.bias) @ p.fc2.weight.T + p.fc2.bias  # (B, T, 1)
+    assert torch.allclose(b.route(x)[1], want[..., 0], atol=1e-12)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,6 +237,9 @@ def test_gradient_reaches_the_router_through_the_weight_only():
     for b in r_blocks(m):
         assert b.router.weight.grad.abs().sum() > 0
         assert all(p.grad is None or not p.grad.any() for p in b.predictor.parameters())
+    k = mod.capacity_k(0.25, 32)
+    for r, z, mem, _ in m.trunk(m.embed(x), "topk")[1]:  # training's top-k: the router's, not z's
+        assert torch.equal(mem, mod.top_k(r, k)[1]) and not torch.equal(mem, mod.top_k(z, k)[1])
     m.zero_grad()
     _, _, st = m(x, x)  # the BCE alone, recomputed from the routes
     aux = torch.stack([F.binary_cross_entropy_with_logits(z, mem.double())
@@ -588,6 +614,8 @@ def test_routing_map():
     assert mp.shape == (2, 30) and mp.device.type == "cpu" and mp.dtype == torch.float32
     assert torch.equal(mp[0], table[0].float()) and torch.equal(mp[1], (~table[0]).float())
     assert rows == ["layer 1", "layer 3"] and legend[1] == "block" and m.training
+    mp_eval = m.eval().routing_map(torch.randint(0, 50, (1, 30)))[0]
+    assert torch.equal(mp_eval, mp) and not m.training  # the mode is restored
 
 
 # --------------------------------------------------------------------------------------------------

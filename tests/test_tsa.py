@@ -523,12 +523,17 @@ def test_training_step(dev, hard):
 
 
 def test_lambda_pushes_routers_to_halt():
-    """∂L_depth/∂b2 > 0 pushes p up: with only the depth loss, a step on b2 raises p."""
+    """∂L_depth/∂b2 > 0 pushes p up: with only the depth loss, a step on b2 raises p. Eq. (2) reads h
+    with no stop-gradient: L_depth also reaches the stem, through every router's input."""
     m = make(lam=1.0)
     m.train()
     _, loss, st = m(ids(), ids())
     (loss - st["lm_loss"]).backward()
     assert all(r.fc2.bias.grad.item() < 0 for r in m.routers)  # gradient descent increases b2 → p ↑
+    m.zero_grad(set_to_none=True)
+    torch.cat(m.trunk(m.embed(ids()), "soft")[1], -1).sum().backward()  # the p_l alone
+    g = m.blocks[0].attn.c_attn.weight.grad
+    assert g is not None and g.abs().sum() > 0
 
 
 def test_on_step_hard_phase():
@@ -687,6 +692,16 @@ def test_early_exit_frozen_state():
         assert torch.allclose(out, reference_early_exit(m, x, m.threshold), atol=1e-10)
 
 
+def test_exit_sweep_rows_and_the_threshold_restored():
+    """exit_sweep: a row per threshold (0: every token exits after the stem, α = 0; 1: none does),
+    then the model's threshold is the run's again."""
+    import numpy as np
+    m = tsa.build(tiny(variant="early_exit", threshold=0.9, eval_iters=1, batch_size=2)).eval()
+    rows = tsa.exit_sweep(m, np.arange(400) % 50, {}, m.cfg, torch.device("cpu"), [0.0, 1.0])
+    assert [(r["threshold"], r["alpha"]) for r in rows] == [(0.0, 0.0), (1.0, 1.0)]
+    assert m.threshold == 0.9 and not m.training
+
+
 def test_early_exit_trains_on_every_exit():
     """Training loss = mean over the L exits of CE(lm_head(norm_l(h_l))), computed here
     independently; targets of -1 (padding) count nowhere. stats: exit_loss (that mean), lm_loss
@@ -750,6 +765,7 @@ def test_routing_map(variant):
     assert legend == ("halted", "active") and rows[1:] == ["layer 1", "layer 2", "layer 3"]
     assert torch.allclose(mp[0], mp[1:].mean(0)) and set(mp[1:].unique().tolist()) <= {0.0, 1.0}
     m.eval()
+    assert torch.equal(m.routing_map(x)[0], mp) and not m.training  # the mode is restored
     with torch.no_grad():
         st = m(x)[2]
     assert torch.allclose(mp[1:].mean(1), torch.stack([1 - st[f"skip_l{i}"] for i in (1, 2, 3)]).float())
@@ -821,6 +837,7 @@ def test_cli_smoke(data_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.chdir(tmp_path)  # no data/ here
     tsa.main(["exit_sweep", str(tmp_path / "ee")])
+    assert not tsa.load_run(str(tmp_path / "ee"))[0].training  # load_run gives an eval() model
     rows = out.buffer.getvalue().decode().splitlines()
     monkeypatch.undo()
     row = r"threshold=\d\.\d{4} alpha=\d\.\d{4} tlops_saved=\d\.\d{4} val_loss=\d+\.\d{4}"
