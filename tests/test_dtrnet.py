@@ -327,6 +327,31 @@ def test_padded_packing_is_the_same_function(monkeypatch, dtype):
         assert (a - b).abs().max() <= tol * b.abs().max()
 
 
+def test_a_traced_training_step_pads_every_row_to_T(monkeypatch):
+    """Under torch.compile's trace (is_compiling) training packs to R = T, one shape for every
+    batch; eager packs to pack_length(δ); the sparse path packs to pack_length(δ) even when traced
+    (it is never traced for training). The same logits and gradients either way."""
+    m = sharpen(make()).train()
+    table = mixed_table(4, 48)[2:]  # rows routing ~10%, ~50%: pack_length < 48
+    fix_routers(m, table)
+    x, lengths, runs = torch.randint(0, 50, (2, 48)), [], []
+    orig = dtrnet.DTRBlock.attend_packed
+    monkeypatch.setattr(dtrnet, "PACK_MULTIPLE", 16)  # 64 would round 24 up to T = 48
+    monkeypatch.setattr(dtrnet.DTRBlock, "attend_packed",
+                        lambda self, h, v, delta, R: lengths.append(R) or orig(self, h, v, delta, R))
+    for tracing in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: tracing)
+        m.train().zero_grad()
+        logits, loss, _ = m(x, x)
+        loss.backward()
+        runs.append([logits] + [p.grad for p in m.parameters() if p.grad is not None])
+        m.eval()(x, sparse=True)
+    short = dtrnet.pack_length(table)
+    assert short < 48 and lengths == [short] * 4 + [48, 48, short, short]
+    for a, b in zip(*runs):
+        assert torch.allclose(a, b, atol=1e-9)
+
+
 def test_sparse_requires_eval():
     with pytest.raises(common.NanorouteError):
         make().train()(torch.zeros(1, 4, dtype=torch.long), sparse=True)
