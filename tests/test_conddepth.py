@@ -596,6 +596,31 @@ def test_jepa_gradient_stays_in_the_controller():
         assert same != any(s in name for s in (".w_c.", ".e", ".pred.")), name
 
 
+def test_util_and_rank_losses_train_the_gate():
+    """Eqs. (17), (18) regress the gate's score u on the labels: each sends its own gradient to
+    the gate (a u.detach() in either would leave the gate's gradient the LM's alone)."""
+    grads = {}
+    for lu, lr in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):
+        m = make(gate="G1", lam_util=lu, lam_rank=lr, lam_b=0.0, lam_a=0.0, label_start=0,
+                 label_every=1).train()
+        m.on_step(0)
+        torch.manual_seed(5)  # the same rank pairs
+        m(*data())[1].backward()
+        grads[lu, lr] = torch.cat([p.grad.flatten() for p in m.gates.parameters()])
+    base = grads[0.0, 0.0]
+    assert (grads[1.0, 0.0] - base).abs().max() > 1e-6  # L_util's own gradient
+    assert (grads[0.0, 1.0] - base).abs().max() > 1e-6  # L_rank's
+
+
+def test_jepa_target_is_a_fixed_orthogonal_projection():
+    """Eq. (14): T is fixed (no gradient, no optimiser state) and orthogonal: T Tᵀ = I (d_s ≤ d)."""
+    m = make(gate="G3")
+    for g in m.gates:
+        W = g.target.weight  # (d_s, d)
+        assert not W.requires_grad
+        assert torch.allclose(W @ W.T, torch.eye(8, dtype=W.dtype), atol=1e-6)  # fp32 init
+
+
 def test_straight_through_gradient_is_eq_8():
     """Forward = hard top-k; dL/du = <dL/dh, h_full − h_cheap> · σ'(u/τ)/τ from the LM loss alone."""
     m = make(gate="G1", lam_jepa=0.0, lam_util=0.0, lam_rank=0.0, lam_b=0.0, lam_a=0.0).train()
@@ -701,6 +726,9 @@ def test_labels_only_on_label_steps_and_training_uses_them():
     m3 = make(recipe="A3-G3", label_start=0)
     m3.train().on_step(0)
     assert m3(x, y)[2]["label_step"].item() == 0  # A3: never computes labels
+    m.eval()  # eval on a label step: no labels, no util/rank in its loss
+    st = m(x, y)[2]
+    assert m.label_now and st["label_step"].item() == 0 and st["util"] == st["rank"] == 0
 
 
 def test_window_looks_forward_with_decay():
@@ -1012,3 +1040,28 @@ def test_training_proxy_counts_labels_for_either_oracle_loss():
     base = cd.compute_vs_full(tiny(recipe="A3-G3"))
     assert cd.compute_vs_full(tiny(lam_util=1.0, lam_rank=0.0)) > base
     assert cd.compute_vs_full(tiny(lam_util=0.0, lam_rank=0.2)) > base
+
+
+def test_defaults_are_the_papers_section_4_values():
+    """§4's constants by value (a default moved to a plausible value runs and trains as well):
+    ρ 0.5, τ 2.0, p_min 0.05, λ_b 1, λ_a 0.5, W 8, γ 0.5, labels from step 100 every 5, the
+    standard λ's; the paper preset's optimiser (AdamW 2e-4 → ×0.01, wd 0.01, 1k warmup, 20k
+    steps, eval every 500 over 16 batches)."""
+    c = cd.Config()
+    assert (c.rho, c.tau, c.p_min, c.lam_b, c.lam_a) == (0.5, 2.0, 0.05, 1.0, 0.5)
+    assert (c.oracle_window, c.oracle_gamma, c.label_start, c.label_every) == (8, 0.5, 100, 5)
+    assert (c.gate, c.lam_jepa, c.lam_util, c.lam_rank) == ("G3", 1.0, 1.0, 0.2)
+    p = cd.Config(**cd.PRESETS["paper"])
+    assert (p.learning_rate, p.min_lr, p.weight_decay) == (2e-4, 2e-6, 0.01)
+    assert (p.warmup_iters, p.max_iters, p.eval_interval, p.eval_iters) == (1000, 20000, 500, 16)
+    assert (p.n_controlled, p.cheap_rank, p.d_c, p.d_s) == (4, 80, 128, 64)
+
+
+@pytest.mark.parametrize("gate, ctrl", [("G1", 2 * (32 * 8 + 8)), ("G3", 2320 + 2 * 2 * 32 * 8)])
+def test_train_flops_per_token_by_value(gate, ctrl):
+    """Eq. (9): training runs both FFNs and the controller (G3: T on both outputs too) in each of
+    the C = 2 controlled layers, on top of the dense model; d 32, r 4."""
+    m = make(gate=gate)
+    cheap = 2 * 2 * 32 * 4
+    want = common.dense_flops_per_token(m.cfg, 32) + 2 * (cheap + ctrl)
+    assert type(m.train_flops_per_token(32)) is float and m.train_flops_per_token(32) == want

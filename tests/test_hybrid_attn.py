@@ -189,6 +189,41 @@ def test_fla_decode_step_agrees_with_the_reference_step(B):
         assert all(rel(a, b) < tol for a, b in zip(S_fla, S_ref))
 
 
+def fake_fla(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """fla's contract, run by the float64 reference: (B, T, H, ·) tensors, its own q scale (None:
+    K^−½), an fp32 g and state; 16-bit q, k, v, β for the chunked kernel."""
+    assert g.dtype == torch.float32 and q.shape[:3] == g.shape == beta.shape
+    assert initial_state is None or initial_state.dtype == torch.float32
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    S0 = None if initial_state is None else initial_state.double()
+    o, S = H.gated_delta_rule_recurrent(*(t.transpose(1, 2).double() for t in
+                                          (q * scale, k, v, g, beta)), initial_state=S0)
+    return o.transpose(1, 2).to(v.dtype), S.float() if output_final_state else None
+
+
+def test_fla_wrappers_keep_the_references_contract_on_cpu(monkeypatch):
+    """fla's kernels need CUDA; their wrappers (layout, q scale, dtypes, state in and out) are
+    checked here against a stand-in with fla's contract: equal to the reference on the same
+    16-bit-rounded inputs."""
+    seen = []
+    monkeypatch.setattr(H, "_fla_chunk", lambda *a, **kw: seen.append(a[0].dtype) or
+                        fake_fla(*a, **kw))
+    monkeypatch.setattr(H, "_fla_recurrent", fake_fla)
+    q, k, v, g, beta, S0 = (t.float() for t in gdr_inputs())
+    r16 = lambda t: t.bfloat16().double()  # noqa: E731  what the chunked kernel reads
+    ref_o, ref_S = H.gated_delta_rule_recurrent(r16(q), r16(k), r16(v), g.double(), r16(beta),
+                                                initial_state=S0.double())
+    o, S = H.gated_delta_rule_fla(q, k, v, g, beta, initial_state=S0)
+    assert seen == [torch.bfloat16] and o.dtype == S.dtype == torch.float32
+    assert rel(o, ref_o.bfloat16()) < 1e-6 and rel(S, ref_S) < 1e-6  # o: the kernel's bf16
+    o, S = H.gated_delta_rule_fla(q, k, v, g, beta, output_final_state=False)
+    assert S is None and rel(o, H.gated_delta_rule_recurrent(
+        r16(q), r16(k), r16(v), g.double(), r16(beta))[0].bfloat16()) < 1e-6
+    ref_o, ref_S = H.gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=S0)
+    o, S = H.gated_delta_step_fla(q, k, v, g, beta, initial_state=S0)  # fp32 throughout
+    assert rel(o, ref_o) < 1e-6 and rel(S, ref_S) < 1e-6
+
+
 @pytest.mark.parametrize("fla_installed", [False, True])
 def test_use_fla_falls_back_to_the_chunked_reference_where_fla_cannot_run(monkeypatch,
                                                                          fla_installed):
@@ -658,6 +693,27 @@ def test_cached_decoding_equals_full_forward(dev, pattern, bias):
     if "G" in pattern or "R" in pattern:
         S = next(c["S"] for c in state[0] if "S" in c)
         assert S.dtype == torch.float32  # recurrent state in fp32 under autocast too
+
+
+def test_a_prefill_with_one_read_per_layer_still_fills_both_caches():
+    """The prompt's tokens all read through softmax in layer 1 and all through GDN in layer 2:
+    prefill still writes layer 1's GDN state and layer 2's K, V (every token writes both), which
+    the later tokens, routed both ways, read."""
+    torch.manual_seed(0)
+    m = H.Model(tiny()).double().eval()
+    forced = torch.rand(2, 20, 2, generator=torch.Generator().manual_seed(4)) < 0.5
+    forced[:, :8, 0], forced[:, :8, 1] = True, False
+    assert forced[:, 8:].any() and not forced[:, 8:].all()
+    m.forced_route = forced
+    x = torch.randint(0, 40, (2, 20))
+    with torch.no_grad():
+        full = m(x)[0]
+        logits, state = m.prefill(x[:, :8])
+        steps = [logits]
+        for t in range(8, 20):
+            logits, state = m.step(x[:, t:t + 1], state)
+            steps.append(logits)
+    assert torch.allclose(torch.stack(steps, 1), full[:, 7:], atol=1e-10)
 
 
 def test_prefill_matches_the_window_reference_at_every_prefix():
