@@ -1185,7 +1185,7 @@ def render_routing(meta, idx, m, rows, legend, title, path=None, color=True, wid
             spans = "".join(f'<span style="background:rgb{_mix(a)}" title="{a:.2f}">'
                             f'{html.escape(t)}</span>' for t, a in zip(toks, vals))
             mean = sum(vals) / max(len(vals), 1)
-            sections.append(f"<h2>{html.escape(label)} <small>({legend[1]} {mean:.0%}"
+            sections.append(f"<h2>{html.escape(label)} <small>({html.escape(legend[1])} {mean:.0%}"
                             f")</small></h2>\n<pre>{spans}</pre>")
         key = "".join(f'<span style="background:rgb{_mix(a)}">&nbsp;{html.escape(t)}&nbsp;</span> '
                       for a, t in ((0.0, legend[0]), (0.5, "between"), (1.0, legend[1])))

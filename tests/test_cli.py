@@ -912,6 +912,17 @@ def test_routing_colours_by_value(monkeypatch):
         assert ("\x1b[" in text) == tty and ("'.'" in text) == (not tty), text
 
 
+def test_the_routing_page_escapes_every_text_it_shows(tmp_path):
+    """Tokens, row labels, the legend and the title are text in the page, never markup."""
+    meta = {"dataset": "shakespeare", "itos": ["<", "&"]}
+    path = tmp_path / "r.html"
+    train.render_routing(meta, [0, 1], torch.tensor([[0.0, 1.0]]), ["<b>"], ("<i>", "<u>"), "<t>",
+                         str(path))
+    page = path.read_text()
+    assert 'title="0.00">&lt;</span>' in page and 'title="1.00">&amp;</span>' in page
+    assert not any(tag in page for tag in ("<b>", "<i>", "<u>", "<t>"))
+
+
 def test_train_memory_by_value():
     cfg = common.Config(batch_size=2, block_size=8, n_embd=16, n_layer=3, n_head=2, vocab_size=50)
     act = 4 * (16 * 2 * 8 * 16 * 3 + 2 * 2 * 2 * 8 * 8 + 3 * 2 * 8 * 50)
