@@ -701,6 +701,43 @@ def test_one_run_folder_one_writer_and_a_killed_run_leaves_no_lock(runs, tmp_pat
     assert not (out / train.LOCK).exists()
 
 
+def test_a_ddp_rank_other_than_0_seeds_and_resumes_as_its_own(runs, tmp_path, monkeypatch):
+    """Rank 1 of 2, in this process (torch.distributed stood in for): it is seeded with
+    seed + rank, on --resume restores the checkpoint's weights and its own RNG state
+    (rng_cpu[1]) before its first step, and writes nothing. The run stops at that step."""
+    dist = torch.distributed
+    monkeypatch.setattr(train, "ddp_env", lambda: (True, 1, 2))
+    for name in ("init_process_group", "barrier", "destroy_process_group"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src: None)  # rank 0: no error
+    monkeypatch.setattr(train, "_gather_rng", lambda state, ddp: [state, state])
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda m, device_ids: m)
+    seen, build = {}, train.build
+    monkeypatch.setattr(train, "build", lambda module, cfg: seen.update(
+        seed=torch.initial_seed()) or build(module, cfg))
+
+    class FirstStep(Exception):
+        pass
+
+    def accumulate(model, batches, device, ddp=False):
+        seen.update(rng=torch.get_rng_state(), wte=model.wte.weight.detach().clone(), ddp=ddp)
+        raise FirstStep
+    monkeypatch.setattr(train, "accumulate", accumulate)
+    out = copy_run(runs, tmp_path)
+    ckpt = common.load_checkpoint(str(out / "ckpt.pt"))
+    ckpt["rng_cpu"] = [torch.manual_seed(s).get_state() for s in (5, 6)]  # two processes wrote it
+    torch.save(ckpt, out / "ckpt.pt")
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    for argv, where in (([], tmp_path / "new"), (["--resume", "--max_iters=9"], out)):
+        with pytest.raises(FirstStep):
+            train.train(*train.parse(flags(runs / "data", where, *argv)))
+        assert seen.pop("seed") == 1337 + 1 and seen["ddp"] is True
+    assert torch.equal(seen["rng"], ckpt["rng_cpu"][1])
+    assert torch.equal(seen["wte"], ckpt["model"]["wte.weight"])
+    assert not (tmp_path / "new").exists()
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+
+
 def torchrun(*argv, monitor=0.1):
     # monitor: how often torchrun looks at its workers; once one has exited non-zero it SIGTERMs
     # the rest, so a rank still exiting on its own may be counted as killed (-15) when it is short
