@@ -490,6 +490,18 @@ def test_train_lines_time_the_steps_alone(runs, tmp_path, monkeypatch, capsys):
     assert [r["mfu"] for r in recs] == pytest.approx([3 * fpt * 32 / 1e6] * 2, rel=1e-3)
 
 
+def test_each_step_runs_at_its_own_schedule_step(runs, tmp_path, monkeypatch):
+    """A model's step schedule (TSA's hard phase, conddepth's label steps, the hybrid's
+    temperature) is told the step about to be trained: 0, 1, 2, 3 for a 4-step run."""
+    import tsa
+    seen, real = [], tsa.Model.on_step
+    monkeypatch.setattr(tsa.Model, "on_step", lambda self, it: seen.append(it) or real(self, it))
+    monkeypatch.setattr(train, "summary", lambda *a: None)
+    train.main(flags(runs / "data", tmp_path / "run", "--model=tsa", "--n_layer=2",
+                     "--hard_ft_iters=1"))
+    assert seen == [0, 1, 2, 3]
+
+
 def test_an_infinite_loss_stops_the_run_with_its_step(runs, tmp_path, monkeypatch, capsys):
     forward = common.Model.forward
 
@@ -958,6 +970,15 @@ def test_the_routing_page_escapes_every_text_it_shows(tmp_path):
     page = path.read_text()
     assert 'title="0.00">&lt;</span>' in page and 'title="1.00">&amp;</span>' in page
     assert not any(tag in page for tag in ("<b>", "<i>", "<u>", "<t>"))
+
+
+def test_the_plain_routing_text_marks_every_character(tmp_path):
+    """Without colour each character of a token gets its own marker under it, so a token of
+    several characters (the copy task's "[BOS]", "31") stays aligned with its marks."""
+    meta = {"dataset": "copy"}
+    text = train.render_routing(meta, [common.BOS, 31, 3], torch.tensor([[1.0, 0.0, 1.0]]),
+                                ["layer 1"], ("cheap", "costly"), "t", color=False)
+    assert text.splitlines()[2:] == ["[BOS]313", "#####..#"]
 
 
 def test_train_memory_by_value():
