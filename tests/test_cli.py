@@ -438,6 +438,7 @@ def test_help(capsys):
     train.main(["--model", "tsa", "-h"])
     out = capsys.readouterr().out
     assert "--model tsa (tsa.py's Config):" in out and "--lam=0.001" in out and "λ of eq. (5)" in out
+    assert "  --model=tsa " in out  # the model asked for is the one shown
     train.main(["--sample", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: python train.py --sample RUN_DIR") and "--temperature=0.8" in out
@@ -497,9 +498,15 @@ def test_each_step_runs_at_its_own_schedule_step(runs, tmp_path, monkeypatch):
     seen, real = [], tsa.Model.on_step
     monkeypatch.setattr(tsa.Model, "on_step", lambda self, it: seen.append(it) or real(self, it))
     monkeypatch.setattr(train, "summary", lambda *a: None)
+    losses, accumulate = [], train.accumulate  # the loss logged: the one trained on
+    monkeypatch.setattr(train, "accumulate", lambda *a, **k: losses.append(
+        accumulate(*a, **k)) or losses[-1])
     train.main(flags(runs / "data", tmp_path / "run", "--model=tsa", "--n_layer=2",
                      "--hard_ft_iters=1"))
     assert seen == [0, 1, 2, 3]
+    logged = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
+              if r["kind"] == "train"]
+    assert logged == [loss.item() for loss, _ in losses]
 
 
 def test_an_infinite_loss_stops_the_run_with_its_step(runs, tmp_path, monkeypatch, capsys):
@@ -511,6 +518,15 @@ def test_an_infinite_loss_stops_the_run_with_its_step(runs, tmp_path, monkeypatc
     monkeypatch.setattr(common.Model, "forward", infinite)
     err = one_error(capsys, lambda: train.main(flags(runs / "data", tmp_path / "run")))
     assert err == "error: loss became inf at step 0; lower --learning_rate or check the data"
+
+
+def test_a_preset_is_read_not_changed():
+    """Flags given with a preset override a copy of it: the model's PRESETS stay as written."""
+    import tsa
+    before = json.dumps(tsa.PRESETS)
+    cfg = train.parse_args(["--model=tsa", "--preset=classroom", "--lam=0.5", "--seed=3"])[0]
+    assert cfg.lam == 0.5 and json.dumps(tsa.PRESETS) == before
+    assert train.parse_args(["--model=tsa", "--preset=classroom"])[0].seed == 1337
 
 
 def test_resume_after_a_partial_last_log_line(runs, tmp_path, capsys):
