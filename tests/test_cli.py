@@ -509,6 +509,32 @@ def test_each_step_runs_at_its_own_schedule_step(runs, tmp_path, monkeypatch):
     assert logged == [loss.item() for loss, _ in losses]
 
 
+def test_each_micro_step_runs_its_forward_under_the_devices_autocast(monkeypatch):
+    """The training forward runs in autocast (bf16 on a GPU), the backward outside it: a CPU's
+    fp32 has no autocast, so a recording stand-in shows where the forward ran."""
+    import contextlib
+    where = []
+
+    @contextlib.contextmanager
+    def autocast(device, dtype=None):
+        where.append("in")
+        yield
+        where.append("out")
+    monkeypatch.setattr(common, "autocast", autocast)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x, y):
+            where.append("forward")
+            return None, (self.w * x).sum(), {}
+    x = torch.ones(2)
+    train.accumulate(Model(), [(x, x), (x, x)], torch.device("cpu"))
+    assert where == ["in", "forward", "out"] * 2
+
+
 def test_an_infinite_loss_stops_the_run_with_its_step(runs, tmp_path, monkeypatch, capsys):
     forward = common.Model.forward
 
