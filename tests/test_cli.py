@@ -329,12 +329,13 @@ def test_sample_passes_its_flags_to_generate_and_says_what_ran(runs, tmp_path, m
     """The values generate gets, and the line saying what ran: decoding (cached, routed, a
     compiled step, or the whole window per token), the step, val loss, time and tokens/s."""
     import inspect
-    calls, signature = [], inspect.signature(common.LM.generate)
+    calls, seeds, signature = [], [], inspect.signature(common.LM.generate)
 
     def generate(self, *args, **kwargs):  # what it was asked; its tokens: newlines (id 0)
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         calls.append({k: v for k, v in bound.arguments.items() if k not in ("self", "idx")})
+        seeds.append(torch.initial_seed())  # --seed seeds the sampling
         return torch.cat([args[0], args[0].new_zeros(1, args[1])], 1)
     monkeypatch.setattr(common.LM, "generate", generate)
     clock = iter([100.0, 102.5])
@@ -354,7 +355,8 @@ def test_sample_passes_its_flags_to_generate_and_says_what_ran(runs, tmp_path, m
     for run, extra, use_cache, compiled, how in cases:
         clock = iter([100.0, 102.5])
         train.main(["--sample", str(run), "--prompt=ROMEO:", "--num_tokens=5", "--temperature=0.5",
-                    "--top_k=7", "--device=cpu", *extra])
+                    "--top_k=7", "--device=cpu", "--seed=11", *extra])
+        assert seeds.pop() == 11
         assert calls.pop() == {"max_new_tokens": 5, "temperature": 0.5, "top_k": 7,
                                "use_cache": use_cache, "compile": compiled}, extra
         ckpt = common.load_checkpoint(str(run / "best.pt"))
@@ -362,6 +364,13 @@ def test_sample_passes_its_flags_to_generate_and_says_what_ran(runs, tmp_path, m
         assert out[:3] == [f"{run.name} from {run / 'best.pt'} (step {ckpt['iter']}, val "
                            f"{ckpt['val_loss']:.4f}); 5 tokens in 2.50s (2 tok/s, {how})",
                            "sample:", "ROMEO:"]
+    # a model that decodes without a cache whatever is asked (conddepth's mode=topk): the line
+    # says what generate ran, not what the flag asked for
+    monkeypatch.setattr(common.LM, "decodes_cached", lambda self, use_cache=True: False)
+    clock = iter([100.0, 102.5])
+    train.main(["--sample", str(runs / "gpt"), "--prompt=ROMEO:", "--num_tokens=5", "--device=cpu"])
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        "(2 tok/s, cache-free forward of the whole window per token)")
 
 
 def test_the_sample_is_flushed_before_the_routing_picture(runs, tmp_path, monkeypatch):
@@ -429,9 +438,121 @@ def test_help(capsys):
     train.main(["--model", "tsa", "-h"])
     out = capsys.readouterr().out
     assert "--model tsa (tsa.py's Config):" in out and "--lam=0.001" in out and "λ of eq. (5)" in out
+    assert "  --model=tsa " in out  # the model asked for is the one shown
     train.main(["--sample", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: python train.py --sample RUN_DIR") and "--temperature=0.8" in out
+
+
+def test_each_eval_records_its_own_splits_and_keeps_the_best_val(runs, tmp_path, monkeypatch):
+    """Each eval measures train on the train split and val on the val split; its record's val_*
+    stats are val's; best.pt holds the eval with the lowest val loss (not train loss), and every
+    checkpoint's val_loss is its own eval's. Losses scripted: val 3, 1, 2; train 0.5, 2.5, 0.1."""
+    script = {"val": iter([3.0, 1.0, 2.0]), "train": iter([0.5, 2.5, 0.1])}
+    sizes = []
+
+    def estimate_loss(model, data, meta, cfg, device, split="val", sparse=False):
+        sizes.append((split, len(data)))
+        return {"loss": next(script[split]), "skipped": 0.25 if split == "val" else 0.75}
+    monkeypatch.setattr(common, "estimate_loss", estimate_loss)
+    monkeypatch.setattr(train, "summary", lambda *a: None)
+    out = tmp_path / "run"
+    assert train.main(flags(runs / "data", out)) == 1.0
+    n = {s: len(common.load_split("shakespeare", s, str(runs / "data"))) for s in ("train", "val")}
+    assert n["train"] != n["val"] and sizes == [("train", n["train"]), ("val", n["val"])] * 3
+    evals = [r for r in map(json.loads, open(out / "metrics.jsonl")) if r["kind"] == "eval"]
+    assert [(r["step"], r["train_loss"], r["val_loss"], r["val_skipped"]) for r in evals] == [
+        (0, 0.5, 3.0, 0.25), (2, 2.5, 1.0, 0.25), (4, 0.1, 2.0, 0.25)]
+    best, last = (common.load_checkpoint(str(out / f)) for f in ("best.pt", "ckpt.pt"))
+    assert (best["iter"], best["val_loss"]) == (2, 1.0)
+    assert (last["iter"], last["val_loss"], last["best_val_loss"]) == (4, 2.0, 1.0)
+
+
+def test_train_lines_time_the_steps_alone(runs, tmp_path, monkeypatch, capsys):
+    """Every log_interval steps a line and a record: ms/iter, tok/s and MFU from the mean time of
+    the steps since the last line (evals not counted), and the ETA of the steps left. A clock that
+    ticks one second a call: each step takes 1 s, whatever the evals and logging took."""
+    clock = iter(range(10 ** 6))
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: float(next(clock)),
+                                                             perf_counter=time.perf_counter))
+    monkeypatch.setattr(train, "summary", lambda *a: None)
+    out = tmp_path / "run"
+    train.main(flags(runs / "data", out, "--log_interval=2", "--peak_flops=1e6"))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("iter ")]
+    recs = [r for r in map(json.loads, open(out / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [(r["step"], r["tok_s"]) for r in recs] == [(0, 32.0), (2, 32.0)]  # 2·16 tokens a step
+    assert [ln.split(": loss ")[0] for ln in lines] == ["iter 0/4", "iter 2/4"]
+    assert [ln.split(", ", 1)[1] for ln in lines] == [
+        f"1000 ms/iter, 32 tok/s, MFU {r['mfu']:.1%}, ETA {eta}"
+        for r, eta in zip(recs, ("4s", "2s"))]
+    saved = json.load(open(out / "config.json"))
+    arch = common.Config(**{k: saved[k] for k in common.ARCH_FIELDS})
+    fpt = common.Model(arch).train_flops_per_token(16, {})
+    assert [r["mfu"] for r in recs] == pytest.approx([3 * fpt * 32 / 1e6] * 2, rel=1e-3)
+
+
+def test_each_step_runs_at_its_own_schedule_step(runs, tmp_path, monkeypatch):
+    """A model's step schedule (TSA's hard phase, conddepth's label steps, the hybrid's
+    temperature) is told the step about to be trained: 0, 1, 2, 3 for a 4-step run."""
+    import tsa
+    seen, real = [], tsa.Model.on_step
+    monkeypatch.setattr(tsa.Model, "on_step", lambda self, it: seen.append(it) or real(self, it))
+    monkeypatch.setattr(train, "summary", lambda *a: None)
+    losses, accumulate = [], train.accumulate  # the loss logged: the one trained on
+    monkeypatch.setattr(train, "accumulate", lambda *a, **k: losses.append(
+        accumulate(*a, **k)) or losses[-1])
+    train.main(flags(runs / "data", tmp_path / "run", "--model=tsa", "--n_layer=2",
+                     "--hard_ft_iters=1"))
+    assert seen == [0, 1, 2, 3]
+    logged = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
+              if r["kind"] == "train"]
+    assert logged == [loss.item() for loss, _ in losses]
+
+
+def test_each_micro_step_runs_its_forward_under_the_devices_autocast(monkeypatch):
+    """The training forward runs in autocast (bf16 on a GPU), the backward outside it: a CPU's
+    fp32 has no autocast, so a recording stand-in shows where the forward ran."""
+    import contextlib
+    where = []
+
+    @contextlib.contextmanager
+    def autocast(device, dtype=None):
+        where.append("in")
+        yield
+        where.append("out")
+    monkeypatch.setattr(common, "autocast", autocast)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x, y):
+            where.append("forward")
+            return None, (self.w * x).sum(), {}
+    x = torch.ones(2)
+    train.accumulate(Model(), [(x, x), (x, x)], torch.device("cpu"))
+    assert where == ["in", "forward", "out"] * 2
+
+
+def test_an_infinite_loss_stops_the_run_with_its_step(runs, tmp_path, monkeypatch, capsys):
+    forward = common.Model.forward
+
+    def infinite(self, idx, targets=None, sparse=False):
+        logits, loss, stats = forward(self, idx, targets, sparse)
+        return logits, loss * (float("inf") if self.training else 1.0), stats
+    monkeypatch.setattr(common.Model, "forward", infinite)
+    err = one_error(capsys, lambda: train.main(flags(runs / "data", tmp_path / "run")))
+    assert err == "error: loss became inf at step 0; lower --learning_rate or check the data"
+
+
+def test_a_preset_is_read_not_changed():
+    """Flags given with a preset override a copy of it: the model's PRESETS stay as written."""
+    import tsa
+    before = json.dumps(tsa.PRESETS)
+    cfg = train.parse_args(["--model=tsa", "--preset=classroom", "--lam=0.5", "--seed=3"])[0]
+    assert cfg.lam == 0.5 and json.dumps(tsa.PRESETS) == before
+    assert train.parse_args(["--model=tsa", "--preset=classroom"])[0].seed == 1337
 
 
 def test_resume_after_a_partial_last_log_line(runs, tmp_path, capsys):
@@ -458,6 +579,18 @@ def test_resume_takes_every_value_from_the_runs_config(runs, tmp_path, capsys):
     assert now["model"] == "tsa" and now["n_layer"] == 2 and now["hard_ft_iters"] == 1
     assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == 3
     assert "resuming" in capsys.readouterr().out
+
+
+def test_resume_of_a_copy_run_by_its_folder_and_what_may_change(runs, tmp_path):
+    """--resume with the folder alone: the run's dataset (copy), not --dataset's default; each
+    flag of MAY_CHANGE is taken as given (a run's data may move, its device change, ...)."""
+    out = copy_run(runs, tmp_path, "copy")
+    changed = dict(max_iters=9, eval_interval=3, log_interval=3, device="cpu", compile=True,
+                   out_dir=str(out), data_dir=str(tmp_path / "moved"), peak_flops=1e12)
+    assert set(changed) == set(train.MAY_CHANGE)
+    cfg, _, mode = train.parse_args(["--resume"] + [f"--{k}={v}" for k, v in changed.items()])
+    assert (cfg.model, cfg.dataset, mode) == ("gpt", "copy", "resume")
+    assert {k: getattr(cfg, k) for k in changed} == changed
 
 
 def test_init_from_a_run_says_what_came_from_it_and_refuses_a_given_value(runs, tmp_path, capsys):
@@ -620,6 +753,43 @@ def test_one_run_folder_one_writer_and_a_killed_run_leaves_no_lock(runs, tmp_pat
                      "--eval_interval=5"))
     assert common.load_checkpoint(str(out / "ckpt.pt"))["iter"] == step + 1
     assert not (out / train.LOCK).exists()
+
+
+def test_a_ddp_rank_other_than_0_seeds_and_resumes_as_its_own(runs, tmp_path, monkeypatch):
+    """Rank 1 of 2, in this process (torch.distributed stood in for): it is seeded with
+    seed + rank, on --resume restores the checkpoint's weights and its own RNG state
+    (rng_cpu[1]) before its first step, and writes nothing. The run stops at that step."""
+    dist = torch.distributed
+    monkeypatch.setattr(train, "ddp_env", lambda: (True, 1, 2))
+    for name in ("init_process_group", "barrier", "destroy_process_group"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src: None)  # rank 0: no error
+    monkeypatch.setattr(train, "_gather_rng", lambda state, ddp: [state, state])
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda m, device_ids: m)
+    seen, build = {}, train.build
+    monkeypatch.setattr(train, "build", lambda module, cfg: seen.update(
+        seed=torch.initial_seed()) or build(module, cfg))
+
+    class FirstStep(Exception):
+        pass
+
+    def accumulate(model, batches, device, ddp=False):
+        seen.update(rng=torch.get_rng_state(), wte=model.wte.weight.detach().clone(), ddp=ddp)
+        raise FirstStep
+    monkeypatch.setattr(train, "accumulate", accumulate)
+    out = copy_run(runs, tmp_path)
+    ckpt = common.load_checkpoint(str(out / "ckpt.pt"))
+    ckpt["rng_cpu"] = [torch.manual_seed(s).get_state() for s in (5, 6)]  # two processes wrote it
+    torch.save(ckpt, out / "ckpt.pt")
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    for argv, where in (([], tmp_path / "new"), (["--resume", "--max_iters=9"], out)):
+        with pytest.raises(FirstStep):
+            train.train(*train.parse(flags(runs / "data", where, *argv)))
+        assert seen.pop("seed") == 1337 + 1 and seen["ddp"] is True
+    assert torch.equal(seen["rng"], ckpt["rng_cpu"][1])
+    assert torch.equal(seen["wte"], ckpt["model"]["wte.weight"])
+    assert not (tmp_path / "new").exists()
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
 
 
 def torchrun(*argv, monitor=0.1):
@@ -799,6 +969,8 @@ def test_split_flags_by_value():
     assert sf(["--c", "--d", "x", "--e=x=y"]) == {"c": None, "d": "x", "e": "x=y"}
     assert sf([]) == {} and sf(["--p="], may_be_empty=("p",)) == {"p": ""}
     assert sf(["--p", "", "--q"], may_be_empty=("p",)) == {"p": "", "q": None}
+    # a negative number is a value, not a flag (--temperature -1 is then refused by its limit)
+    assert sf(["--t", "-1", "--lr", "-1e-3", "--c"]) == {"t": "-1", "lr": "-1e-3", "c": None}
     for argv in (["x"], ["--"], ["-a"], ["--a=1", "b"]):
         assert refused(sf, argv) == (f"unexpected argument {argv[-1]!r}; flags look like "
                                      "--key=value (see --help)")
@@ -829,6 +1001,26 @@ def test_routing_colours_by_value(monkeypatch):
         monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
         text = train.picture(Model(), torch.tensor([[0, 1]]), meta, "t", None)
         assert ("\x1b[" in text) == tty and ("'.'" in text) == (not tty), text
+
+
+def test_the_routing_page_escapes_every_text_it_shows(tmp_path):
+    """Tokens, row labels, the legend and the title are text in the page, never markup."""
+    meta = {"dataset": "shakespeare", "itos": ["<", "&"]}
+    path = tmp_path / "r.html"
+    train.render_routing(meta, [0, 1], torch.tensor([[0.0, 1.0]]), ["<b>"], ("<i>", "<u>"), "<t>",
+                         str(path))
+    page = path.read_text()
+    assert 'title="0.00">&lt;</span>' in page and 'title="1.00">&amp;</span>' in page
+    assert not any(tag in page for tag in ("<b>", "<i>", "<u>", "<t>"))
+
+
+def test_the_plain_routing_text_marks_every_character(tmp_path):
+    """Without colour each character of a token gets its own marker under it, so a token of
+    several characters (the copy task's "[BOS]", "31") stays aligned with its marks."""
+    meta = {"dataset": "copy"}
+    text = train.render_routing(meta, [common.BOS, 31, 3], torch.tensor([[1.0, 0.0, 1.0]]),
+                                ["layer 1"], ("cheap", "costly"), "t", color=False)
+    assert text.splitlines()[2:] == ["[BOS]313", "#####..#"]
 
 
 def test_train_memory_by_value():
@@ -1019,6 +1211,75 @@ def test_read_metrics_drops_only_a_cut_last_line(tmp_path, capsys):
     path.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
     assert refused(train.read_metrics, str(path)) == (f"{path}: line 2 is not JSON; fix or remove "
                                                       "that line")
+
+
+class SummaryStub:
+    """What summary asks of a model: eval(), generate (recorded: its prompt, length, temperature,
+    top_k; it appends two tokens of id 1), and for a router a routing_map (drawn by picture)."""
+
+    def __init__(self, routed):
+        self.seen = []
+        if routed:
+            self.routing_map = None
+
+    def eval(self):
+        self.seen.append("eval")
+
+    def generate(self, prompt, n, temperature=1.0, top_k=None):
+        self.seen.append((prompt.tolist(), n, temperature, top_k))
+        return torch.cat([prompt, prompt.new_ones(1, 2)], 1)
+
+
+def test_summary_by_value(tmp_path, monkeypatch, capsys):
+    """The summary's numbers come from the run's last eval: the hard loss vs the soft one, vs the
+    dense GPT of the same sizes in out/, the work skipped per routed layer and their mean over
+    the routed layers (not all layers); then the picture of the first window, the files and a
+    sample (copy/sort: the held-out record completed greedily)."""
+    import numpy as np
+    monkeypatch.setattr(train, "speed_line", lambda *a: "<speed>")
+    monkeypatch.setattr(train, "picture", lambda m, idx, meta, title, path:
+                        f"<picture {idx.tolist()} {title} {path}>")
+    out = tmp_path / "out"
+    cfg = dataclasses.replace(common.Config(), model="dtrnet", n_layer=3, max_iters=4,
+                              block_size=4, out_dir=str(out / "dtrnet"))
+    for name, log in (("dtrnet", [
+            {"kind": "eval", "step": 0, "val_loss": 4.0, "val_soft_loss": 4.0},
+            {"kind": "train", "step": 3, "loss": 9.0},
+            {"kind": "eval", "step": 4, "val_loss": 1.5, "val_soft_loss": 1.2, "val_skip_l2": 0.75,
+             "val_skip_l1": 0.25, "val_flops_saved_hard": 0.125}]),
+            ("gpt", [{"kind": "eval", "step": 4, "val_loss": 1.25}])):
+        (out / name).mkdir(parents=True)
+        (out / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    (out / "gpt" / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg),
+                                                             model="gpt")))
+    meta = {"dataset": "shakespeare", "itos": ["\n", "a", "b"]}
+    val = np.array([1, 2, 2, 1, 1, 2], dtype=np.uint16)
+    model = SummaryStub(routed=True)
+    train.summary(model, cfg, meta, val, torch.device("cpu"), str(out / "dtrnet" / "metrics.jsonl"))
+    run = out / "dtrnet"
+    assert capsys.readouterr().out == (
+        "\n== dtrnet on shakespeare: summary ==\n"
+        "val loss 1.5000: what inference runs (hard routing, sparse path); the training-mode "
+        "(soft) model 1.2000, so inference costs +25.0%\n"
+        f"dense GPT of the same preset ({out / 'gpt'}): val 1.2500; this model is +20.0%\n"
+        "work really skipped (share of tokens on the cheap path), per layer: layer 1 25%, layer 2 "
+        "75%; mean 50%; forward FLOPs saved vs the dense GPT: 12.5%\n<speed>\n"
+        f"<picture [[1, 2, 2, 1]] dtrnet routing on the first validation window "
+        f"{run / 'routing.html'}>\n"
+        f"files: {run / 'ckpt.pt'}, {run / 'best.pt'}, {run / 'metrics.jsonl'}, "
+        f"{run / 'routing.html'}\nsample:\naaa\n")
+    assert model.seen == ["eval", ([[1]], 200, 0.8, 200)]
+    # a dense GPT on the copy task: no comparison, no skips, no picture; the record completed
+    cfg = dataclasses.replace(cfg, model="gpt", dataset="copy", out_dir=str(out / "gpt"))
+    meta = {"dataset": "copy", "record_len": 2 * common.TASK_LEN + 3, "vocab_size": 35}
+    val = np.arange(30, dtype=np.uint16)
+    model = SummaryStub(routed=False)
+    train.summary(model, cfg, meta, val, torch.device("cpu"), str(out / "gpt" / "metrics.jsonl"))
+    text = capsys.readouterr().out
+    assert text.splitlines()[1:3] == ["== gpt on copy: summary ==",
+                                      "val loss 1.2500: what inference runs"]
+    assert model.seen == ["eval", ([list(range(common.TASK_LEN + 2))], common.TASK_LEN + 1, 0,
+                                   None)]
 
 
 def test_find_dense_run_takes_the_first_finished_gpt_of_the_same_sizes(tmp_path, monkeypatch):
