@@ -522,6 +522,34 @@ def test_config_rules_at_their_edges():
         C(n_embd=130, n_head=4)
     assert C(n_embd=132, n_head=4).n_embd == 132
 
+
+def test_defaults_and_presets_are_pinned_by_value():
+    """The defaults a bare run trains with and each preset's settings, by value (the results
+    pages were measured with them): nanoGPT's Shakespeare recipe (AdamW β2 0.99, not torch's
+    0.999); --preset paper at TSA's size and dropout 0.2; --preset gpu GPT-3 small's optimiser."""
+    c = common.Config()
+    assert {f.name: getattr(c, f.name) for f in dataclasses.fields(c)} == dict(
+        vocab_size=65, block_size=128, n_layer=6, n_head=6, n_embd=192, dropout=0.0, bias=False,
+        gelu="none", max_iters=2250, batch_size=16, grad_accum=1, learning_rate=2e-3, min_lr=1e-4,
+        warmup_iters=100, weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0,
+        eval_interval=750, eval_iters=40, log_interval=50, seed=1337, eval_seed=-1,
+        device="auto", compile=False, peak_flops=0.0, out_dir="", data_dir="data", shards=1,
+        init_from="", model="gpt", dataset="shakespeare")
+    assert common.PAPER == dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64,
+                                max_iters=5000, learning_rate=1e-3, min_lr=1e-4, beta2=0.95,
+                                weight_decay=0.1, dropout=0.2, eval_interval=500)
+    assert common.CLASSROOM == dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16,
+                                    max_iters=1500, eval_interval=500, eval_iters=20,
+                                    log_interval=100, learning_rate=2e-3, min_lr=1e-4,
+                                    warmup_iters=50)
+    assert common.GPU == dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=True,
+                              gelu="tanh", batch_size=16, grad_accum=32, max_iters=2500,
+                              warmup_iters=250, learning_rate=6e-4, min_lr=6e-5, beta2=0.95,
+                              weight_decay=0.1, grad_clip=1.0, dropout=0.0, eval_interval=250,
+                              eval_iters=20, log_interval=10, compile=True, shards=14)
+    assert common.PRESETS == {"classroom": common.CLASSROOM, "paper": common.PAPER,
+                              "gpu": common.GPU}
+
 # ---------------------------------------------------------------------------------------------------
 # accounting
 
