@@ -436,6 +436,27 @@ def test_gpt_dropout_acts_on_attention_and_residuals_in_training_only(monkeypatc
         assert seen == [("drop", 0.3, training)] + block * 2, seen
 
 
+def test_attention_by_value_causal_masked_or_over_every_key():
+    """qkv() splits c_attn's output into heads (B, nh, T, hs) channel block by block; attend() is
+    softmax(q·kᵀ/√hs + mask)·v per head, merged back to (B, T, C) head after head: causal by
+    default, under an additive attn_mask, or over every key with causal=False. By value."""
+    torch.manual_seed(0)
+    attn = common.CausalSelfAttention(tiny(n_embd=12, n_head=3)).eval()
+    x = torch.randn(2, 5, 12)
+    q, k, v = attn.qkv(x)
+    Q, K, V = attn.c_attn(x).split(12, dim=-1)  # 3 × (B, T, C)
+    heads = lambda t: torch.stack([t[..., 4 * h:4 * h + 4] for h in range(3)], 1)
+    for got, want in ((q, Q), (k, K), (v, V)):
+        assert torch.allclose(got, heads(want), atol=1e-6)
+    future = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    other = torch.randn(5, 5)
+    for kw, add in (({}, torch.zeros(5, 5).masked_fill(future, -math.inf)),
+                    (dict(attn_mask=other), other), (dict(causal=False), torch.zeros(5, 5))):
+        w = (q @ k.transpose(-2, -1) / 2.0 + add).softmax(-1)  # √hs = 2
+        want = torch.cat([(w @ v)[:, h] for h in range(3)], -1)  # (B, T, C)
+        assert torch.allclose(attn.attend(q, k, v, **kw), want, atol=1e-5), kw
+
+
 
 def test_init_scales_by_value():
     """Every matrix N(0, 0.02²) but the two projections into the residual stream, N(0, (0.02 /
