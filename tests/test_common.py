@@ -980,6 +980,16 @@ def test_a_split_that_is_not_what_meta_json_says_is_refused(tmp_path, tokens, wa
     assert good == path
 
 
+def test_a_token_beyond_the_vocabulary_is_found_wherever_it_lies(tmp_path):
+    """load_split reads every token of a split, not a prefix: one bad id at the very end of a
+    2M-token file is refused."""
+    tokens = np.zeros(2_000_000, dtype=np.uint16)
+    tokens[-1] = 3
+    path = split_on_disk(tmp_path, tokens, len(tokens))
+    with pytest.raises(common.NanorouteError, match=f"^{re.escape(path)} holds token id 3"):
+        common.load_split("shakespeare", "train", str(tmp_path))
+
+
 def test_a_missing_or_unreadable_meta_json_is_one_line_saying_what_to_do(tmp_path):
     path = tmp_path / "copy" / "meta.json"
     for write, why in ((None, "FileNotFoundError"), ("{not json", "JSONDecodeError")):
