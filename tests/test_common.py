@@ -480,6 +480,23 @@ def test_generate_greedy_is_deterministic_and_respects_block_size():
     model = common.Model(tiny(block_size=8)).eval()
     out = model.generate(torch.zeros(2, 3, dtype=torch.long), 10, temperature=0)
     assert out.shape == (2, 13) and torch.equal(out, model.generate(torch.zeros(2, 3, dtype=torch.long), 10, 0))
+    for training in (True, False):  # sampling runs in eval, and the mode it found is restored
+        for use_cache in (True, False):
+            model.train(training).generate(torch.zeros(1, 2, dtype=torch.long), 2,
+                                           use_cache=use_cache)
+            assert model.training is training
+
+
+def test_block_is_pre_norm_by_value():
+    """GPT-2's pre-norm block: x + attn(ln_1(x)), then h + mlp(ln_2(h)) (the norms on the branch
+    inputs, never on their outputs or the residual stream)."""
+    torch.manual_seed(0)
+    block = common.Block(tiny(bias=True)).eval()
+    for p in block.parameters():  # gains and biases away from 1 and 0, so a misplaced norm shows
+        nn.init.normal_(p, 0.5, 0.5)
+    x = torch.randn(2, 5, 32)
+    h = x + block.attn(block.ln_1(x))
+    assert torch.allclose(block(x), h + block.mlp(block.ln_2(h)), atol=1e-5)
 
 
 def test_config_rejects_impossible_shapes_and_types():
@@ -867,6 +884,18 @@ def test_estimate_loss_is_the_mean_over_eval_iters_fixed_batches(name, kind):
                 want["bpc"] = want["loss"] / math.log(2)
             assert sorted(got) == sorted(want)
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (split, eval_seed)
+
+
+@pytest.mark.parametrize("unit,bpc", [("char", True), ("byte", True), ("token", False)])
+def test_estimate_loss_gives_bits_per_character_or_byte_and_none_per_token(unit, bpc):
+    """bpc = loss / ln 2 for the character (shakespeare) and byte (enwik8) datasets; a loss over
+    BPE tokens or task symbols is not per character and gets none."""
+    model, cfg = tiny_model("gpt", "--block_size=8", "--batch_size=2", "--eval_iters=1")
+    data = np.random.default_rng(0).integers(0, 65, 100).astype(np.uint16)
+    got = common.estimate_loss(model, data, {"dataset": "x", "unit": unit}, cfg,
+                               torch.device("cpu"))
+    assert ("bpc" in got) is bpc
+    assert got.get("bpc", got["loss"] / math.log(2)) == pytest.approx(got["loss"] / math.log(2))
 
 
 # ---------------------------------------------------------------------------------------------------
