@@ -497,6 +497,10 @@ def test_block_is_pre_norm_by_value():
     x = torch.randn(2, 5, 32)
     h = x + block.attn(block.ln_1(x))
     assert torch.allclose(block(x), h + block.mlp(block.ln_2(h)), atol=1e-5)
+    model = common.Model(tiny(bias=True))  # then the final norm, and the head tied to wte
+    nn.init.normal_(model.ln_f.weight, 0.5, 0.5), nn.init.normal_(model.ln_f.bias, 0.5, 0.5)
+    want = F.layer_norm(x, (32,), model.ln_f.weight, model.ln_f.bias) @ model.wte.weight.T
+    assert torch.allclose(model.head(x)[0], want, atol=1e-5)
 
 
 def test_config_rejects_impossible_shapes_and_types():
@@ -1618,6 +1622,19 @@ def test_gpt_decodes_with_its_cache_unless_told_not_to():
     model = common.Model(tiny())
     assert model.decodes_cached() is True and model.decodes_cached(True) is True
     assert model.decodes_cached(False) is False
+
+
+def test_generate_prefills_once_per_window_and_steps_the_rest(monkeypatch):
+    """30 tokens after a 3-token prompt at block_size 8: the window starts at 0, then restarts at
+    5, 10, 15, 20, 25 (window_start: keep h = 4, one prefill per 5 tokens): 6 prefills, and a
+    cached step for each of the other 24 tokens."""
+    model, calls = common.Model(tiny(block_size=8)), []
+    for name in ("prefill", "step"):
+        real = getattr(model, name)
+        monkeypatch.setattr(model, name, lambda *a, real=real, name=name:
+                            calls.append(name) or real(*a))
+    model.generate(torch.zeros(1, 3, dtype=torch.long), 30, temperature=0)
+    assert (calls.count("prefill"), calls.count("step")) == (6, 24)
 
 
 def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):
