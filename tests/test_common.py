@@ -436,6 +436,27 @@ def test_gpt_dropout_acts_on_attention_and_residuals_in_training_only(monkeypatc
         assert seen == [("drop", 0.3, training)] + block * 2, seen
 
 
+def test_attention_by_value_causal_masked_or_over_every_key():
+    """qkv() splits c_attn's output into heads (B, nh, T, hs) channel block by block; attend() is
+    softmax(q·kᵀ/√hs + mask)·v per head, merged back to (B, T, C) head after head: causal by
+    default, under an additive attn_mask, or over every key with causal=False. By value."""
+    torch.manual_seed(0)
+    attn = common.CausalSelfAttention(tiny(n_embd=12, n_head=3)).eval()
+    x = torch.randn(2, 5, 12)
+    q, k, v = attn.qkv(x)
+    Q, K, V = attn.c_attn(x).split(12, dim=-1)  # 3 × (B, T, C)
+    heads = lambda t: torch.stack([t[..., 4 * h:4 * h + 4] for h in range(3)], 1)
+    for got, want in ((q, Q), (k, K), (v, V)):
+        assert torch.allclose(got, heads(want), atol=1e-6)
+    future = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    other = torch.randn(5, 5)
+    for kw, add in (({}, torch.zeros(5, 5).masked_fill(future, -math.inf)),
+                    (dict(attn_mask=other), other), (dict(causal=False), torch.zeros(5, 5))):
+        w = (q @ k.transpose(-2, -1) / 2.0 + add).softmax(-1)  # √hs = 2
+        want = torch.cat([(w @ v)[:, h] for h in range(3)], -1)  # (B, T, C)
+        assert torch.allclose(attn.attend(q, k, v, **kw), want, atol=1e-5), kw
+
+
 
 def test_init_scales_by_value():
     """Every matrix N(0, 0.02²) but the two projections into the residual stream, N(0, (0.02 /
@@ -459,6 +480,27 @@ def test_generate_greedy_is_deterministic_and_respects_block_size():
     model = common.Model(tiny(block_size=8)).eval()
     out = model.generate(torch.zeros(2, 3, dtype=torch.long), 10, temperature=0)
     assert out.shape == (2, 13) and torch.equal(out, model.generate(torch.zeros(2, 3, dtype=torch.long), 10, 0))
+    for training in (True, False):  # sampling runs in eval, and the mode it found is restored
+        for use_cache in (True, False):
+            model.train(training).generate(torch.zeros(1, 2, dtype=torch.long), 2,
+                                           use_cache=use_cache)
+            assert model.training is training
+
+
+def test_block_is_pre_norm_by_value():
+    """GPT-2's pre-norm block: x + attn(ln_1(x)), then h + mlp(ln_2(h)) (the norms on the branch
+    inputs, never on their outputs or the residual stream)."""
+    torch.manual_seed(0)
+    block = common.Block(tiny(bias=True)).eval()
+    for p in block.parameters():  # gains and biases away from 1 and 0, so a misplaced norm shows
+        nn.init.normal_(p, 0.5, 0.5)
+    x = torch.randn(2, 5, 32)
+    h = x + block.attn(block.ln_1(x))
+    assert torch.allclose(block(x), h + block.mlp(block.ln_2(h)), atol=1e-5)
+    model = common.Model(tiny(bias=True))  # then the final norm, and the head tied to wte
+    nn.init.normal_(model.ln_f.weight, 0.5, 0.5), nn.init.normal_(model.ln_f.bias, 0.5, 0.5)
+    want = F.layer_norm(x, (32,), model.ln_f.weight, model.ln_f.bias) @ model.wte.weight.T
+    assert torch.allclose(model.head(x)[0], want, atol=1e-5)
 
 
 def test_config_rejects_impossible_shapes_and_types():
@@ -521,6 +563,34 @@ def test_config_rules_at_their_edges():
     with pytest.raises(err, match="^n_embd=130 is not divisible by n_head=4$"):
         C(n_embd=130, n_head=4)
     assert C(n_embd=132, n_head=4).n_embd == 132
+
+
+def test_defaults_and_presets_are_pinned_by_value():
+    """The defaults a bare run trains with and each preset's settings, by value (the results
+    pages were measured with them): nanoGPT's Shakespeare recipe (AdamW β2 0.99, not torch's
+    0.999); --preset paper at TSA's size and dropout 0.2; --preset gpu GPT-3 small's optimiser."""
+    c = common.Config()
+    assert {f.name: getattr(c, f.name) for f in dataclasses.fields(c)} == dict(
+        vocab_size=65, block_size=128, n_layer=6, n_head=6, n_embd=192, dropout=0.0, bias=False,
+        gelu="none", max_iters=2250, batch_size=16, grad_accum=1, learning_rate=2e-3, min_lr=1e-4,
+        warmup_iters=100, weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0,
+        eval_interval=750, eval_iters=40, log_interval=50, seed=1337, eval_seed=-1,
+        device="auto", compile=False, peak_flops=0.0, out_dir="", data_dir="data", shards=1,
+        init_from="", model="gpt", dataset="shakespeare")
+    assert common.PAPER == dict(n_layer=6, n_head=8, n_embd=256, block_size=128, batch_size=64,
+                                max_iters=5000, learning_rate=1e-3, min_lr=1e-4, beta2=0.95,
+                                weight_decay=0.1, dropout=0.2, eval_interval=500)
+    assert common.CLASSROOM == dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16,
+                                    max_iters=1500, eval_interval=500, eval_iters=20,
+                                    log_interval=100, learning_rate=2e-3, min_lr=1e-4,
+                                    warmup_iters=50)
+    assert common.GPU == dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=True,
+                              gelu="tanh", batch_size=16, grad_accum=32, max_iters=2500,
+                              warmup_iters=250, learning_rate=6e-4, min_lr=6e-5, beta2=0.95,
+                              weight_decay=0.1, grad_clip=1.0, dropout=0.0, eval_interval=250,
+                              eval_iters=20, log_interval=10, compile=True, shards=14)
+    assert common.PRESETS == {"classroom": common.CLASSROOM, "paper": common.PAPER,
+                              "gpu": common.GPU}
 
 # ---------------------------------------------------------------------------------------------------
 # accounting
@@ -820,6 +890,18 @@ def test_estimate_loss_is_the_mean_over_eval_iters_fixed_batches(name, kind):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (split, eval_seed)
 
 
+@pytest.mark.parametrize("unit,bpc", [("char", True), ("byte", True), ("token", False)])
+def test_estimate_loss_gives_bits_per_character_or_byte_and_none_per_token(unit, bpc):
+    """bpc = loss / ln 2 for the character (shakespeare) and byte (enwik8) datasets; a loss over
+    BPE tokens or task symbols is not per character and gets none."""
+    model, cfg = tiny_model("gpt", "--block_size=8", "--batch_size=2", "--eval_iters=1")
+    data = np.random.default_rng(0).integers(0, 65, 100).astype(np.uint16)
+    got = common.estimate_loss(model, data, {"dataset": "x", "unit": unit}, cfg,
+                               torch.device("cpu"))
+    assert ("bpc" in got) is bpc
+    assert got.get("bpc", got["loss"] / math.log(2)) == pytest.approx(got["loss"] / math.log(2))
+
+
 # ---------------------------------------------------------------------------------------------------
 # checkpoints, resume and the CLI
 
@@ -929,6 +1011,16 @@ def test_a_split_that_is_not_what_meta_json_says_is_refused(tmp_path, tokens, wa
     split = common.load_split("shakespeare", "train", str(tmp_path))
     assert split.tolist() == [0, 2] and not split.flags.writeable  # mapped read-only
     assert good == path
+
+
+def test_a_token_beyond_the_vocabulary_is_found_wherever_it_lies(tmp_path):
+    """load_split reads every token of a split, not a prefix: one bad id at the very end of a
+    2M-token file is refused."""
+    tokens = np.zeros(2_000_000, dtype=np.uint16)
+    tokens[-1] = 3
+    path = split_on_disk(tmp_path, tokens, len(tokens))
+    with pytest.raises(common.NanorouteError, match=f"^{re.escape(path)} holds token id 3"):
+        common.load_split("shakespeare", "train", str(tmp_path))
 
 
 def test_a_missing_or_unreadable_meta_json_is_one_line_saying_what_to_do(tmp_path):
@@ -1530,6 +1622,19 @@ def test_gpt_decodes_with_its_cache_unless_told_not_to():
     model = common.Model(tiny())
     assert model.decodes_cached() is True and model.decodes_cached(True) is True
     assert model.decodes_cached(False) is False
+
+
+def test_generate_prefills_once_per_window_and_steps_the_rest(monkeypatch):
+    """30 tokens after a 3-token prompt at block_size 8: the window starts at 0, then restarts at
+    5, 10, 15, 20, 25 (window_start: keep h = 4, one prefill per 5 tokens): 6 prefills, and a
+    cached step for each of the other 24 tokens."""
+    model, calls = common.Model(tiny(block_size=8)), []
+    for name in ("prefill", "step"):
+        real = getattr(model, name)
+        monkeypatch.setattr(model, name, lambda *a, real=real, name=name:
+                            calls.append(name) or real(*a))
+    model.generate(torch.zeros(1, 3, dtype=torch.long), 30, temperature=0)
+    assert (calls.count("prefill"), calls.count("step")) == (6, 24)
 
 
 def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):

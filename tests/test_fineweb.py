@@ -131,6 +131,21 @@ def test_an_interrupted_download_resumes_where_it_stopped(hub, tmp_path, monkeyp
     assert not any(f.endswith(".part") for f in os.listdir(tmp_path / "fineweb_edu"))
 
 
+def test_a_resumable_download_that_fails_every_try_keeps_its_part_for_the_next_run(hub,
+                                                                                   tmp_path):
+    """resume=True: the bytes a failed run fetched stay in the .part (a shard is ~200 MB), and
+    the next run continues them; without resume a failed download leaves nothing."""
+    url, dest = hub.url + HUB_PATH + TRAIN1, str(tmp_path / TRAIN1)
+    for resume in (False, True):
+        hub.cut[TRAIN1] = 3000  # the connection drops after 3,000 of 9,024 bytes
+        with pytest.raises(common.NanorouteError, match="IncompleteRead\\(3000 bytes read"):
+            common.download(url, dest, retries=1, resume=resume, chunk=1000)
+        assert os.listdir(tmp_path) == ([TRAIN1 + ".part"] if resume else [])
+    assert open(dest + ".part", "rb").read() == hub.files[TRAIN1][:3000]
+    common.download(url, dest, resume=True)
+    assert hub.ranges[-1] == "bytes=3000-" and open(dest, "rb").read() == hub.files[TRAIN1]
+
+
 def test_a_part_file_left_by_a_killed_run_is_continued(hub, tmp_path):
     d = tmp_path / "fineweb_edu"
     os.makedirs(d)
