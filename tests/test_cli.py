@@ -1658,7 +1658,8 @@ def test_render_routing_text_and_page_exactly():
     assert text == ("demo   legend: cheap = light '.', costly = dark '#'\n"
                     "-- layer 1: costly 50%\nabc\n#.#\n ⏎\n..\nabc\n#.#\n"
                     "-- layer 2: costly 20%\nabc\n...\n ⏎\n..\nabc\n.#.")
-    colored = train.render_routing(meta, idx[:3], m[:1, :3], ["layer 1"], ("cheap", "costly"), "demo")
+    colored = train.render_routing(meta, idx[:3], m[:1, :3], ["layer 1"], ("cheap", "costly"),
+                                   "demo")
     assert colored == ("demo   legend: cheap = light (blue), costly = dark (orange)\n"
                        "-- layer 1: costly 67%\n"
                        "\x1b[38;2;0;0;0;48;2;239;138;54ma\x1b[0m"
@@ -1691,3 +1692,36 @@ def test_render_routing_page_exactly(tmp_path):
         + span.format("220, 210, 200", ' title="0.25"', "b")
         + span.format("214, 234, 248", ' title="0.00"', "&amp;")
         + "</pre>\n</body></html>\n")
+
+
+def test_ddp_schedules_reach_the_model_inside_the_wrapper(runs, tmp_path, monkeypatch):
+    """Under DDP the loop steps a wrapper that has no on_step/lr_at of its own: the routed model's
+    schedules (tsa's phases and its own lr) are called on the model inside, once per step. Rank 0
+    of 2 in this process, torch.distributed and DDP stood in for."""
+    dist = torch.distributed
+    monkeypatch.setattr(train, "ddp_env", lambda: (True, 0, 2))
+    for name in ("init_process_group", "barrier", "destroy_process_group",
+                 "broadcast_object_list"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(train, "_gather_rng", lambda state, ddp: [state, state])
+
+    class Wrapper(torch.nn.Module):  # what DDP gives: forward and no_sync, no model methods
+        def __init__(self, m, device_ids=None):
+            super().__init__()
+            self.module = m
+
+        def forward(self, *a, **k):
+            return self.module(*a, **k)
+
+        def no_sync(self):
+            return __import__("contextlib").nullcontext()
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", Wrapper)
+    import tsa
+    calls = []
+    for name in ("on_step", "lr_at"):
+        orig = getattr(tsa.Model, name)
+        monkeypatch.setattr(tsa.Model, name, lambda self, it, _o=orig, _n=name:
+                            calls.append((_n, it)) or _o(self, it))
+    train.train(*train.parse(flags(runs / "data", tmp_path / "run", "--model=tsa",
+                                   "--max_iters=3", "--hard_ft_iters=1", "--n_layer=2")))
+    assert calls == [(n, it) for it in range(3) for n in ("on_step", "lr_at")]
