@@ -535,17 +535,6 @@ def test_each_micro_step_runs_its_forward_under_the_devices_autocast(monkeypatch
     assert where == ["in", "forward", "out"] * 2
 
 
-def test_an_infinite_loss_stops_the_run_with_its_step(runs, tmp_path, monkeypatch, capsys):
-    forward = common.Model.forward
-
-    def infinite(self, idx, targets=None, sparse=False):
-        logits, loss, stats = forward(self, idx, targets, sparse)
-        return logits, loss * (float("inf") if self.training else 1.0), stats
-    monkeypatch.setattr(common.Model, "forward", infinite)
-    err = one_error(capsys, lambda: train.main(flags(runs / "data", tmp_path / "run")))
-    assert err == "error: loss became inf at step 0; lower --learning_rate or check the data"
-
-
 def test_a_preset_is_read_not_changed():
     """Flags given with a preset override a copy of it: the model's PRESETS stay as written."""
     import tsa

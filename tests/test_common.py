@@ -1082,16 +1082,18 @@ def test_resume_errors_are_one_line(data_dir, tmp_path, capsys):
     assert err.startswith("error: checkpoint") and "corrupt" in err and err.count("\n") == 1
 
 
-def test_nan_loss_stops_with_the_step(data_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_non_finite_loss_stops_with_the_step(bad, data_dir, tmp_path, monkeypatch, capsys):
     forward = common.Model.forward
 
     def poisoned(self, idx, targets=None, sparse=False):
         logits, loss, stats = forward(self, idx, targets, sparse)
-        return logits, loss * (float("nan") if self.training else 1.0), stats
+        return logits, loss * (float(bad) if self.training else 1.0), stats
     monkeypatch.setattr(common.Model, "forward", poisoned)
     with pytest.raises(SystemExit):
         run([], data_dir, tmp_path)
-    assert "loss became nan at step 0" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"error: loss became {bad} at step 0; lower "
+                                       "--learning_rate or check the data\n")
 
 
 def interrupted_save(cut):
