@@ -1362,9 +1362,12 @@ def test_compile_trains_every_model_like_eager(model, data_dir, tmp_path):
     with a one-line error that says why (its module's COMPILE_REFUSED)."""
     device = common.pick_device("auto").type  # what train.py picks on this machine
     refused = getattr(importlib.import_module(train.MODELS[model]), "COMPILE_REFUSED", {}).get(device)
-    argv = [f"--model={model}", f"--data_dir={data_dir}", "--n_layer=4", "--n_embd=32", "--n_head=2",
-            "--block_size=32", "--batch_size=4", "--max_iters=4", "--eval_interval=2", "--eval_iters=1"] + (
-                ["--hard_ft_iters=2"] if model == "tsa" else [])
+    # the fewest layers that still route (a cold compile's time grows with the layers traced)
+    layers = {"dtrnet": ["--n_layer=3"], "hybrid": ["--n_layer=2", "--pattern=G R"],
+              "tsa": ["--n_layer=2", "--hard_ft_iters=2"]}.get(model, ["--n_layer=2"])
+    argv = [f"--model={model}", f"--data_dir={data_dir}", *layers, "--n_embd=32", "--n_head=2",
+            "--block_size=32", "--batch_size=4", "--max_iters=4", "--eval_interval=2",
+            "--eval_iters=1"]
     out = subprocess.run([sys.executable, "train.py", *argv, f"--out_dir={tmp_path / 'c'}", "--compile=true"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # as a user starts it
