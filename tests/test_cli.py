@@ -1059,6 +1059,19 @@ def test_on_rank0_runs_the_check_on_rank_0_alone_and_raises_its_verdict():
         train.on_rank0(raises(ValueError("bug")), False, True)
 
 
+@pytest.mark.parametrize("sent", [None, "rank 0 refused"])
+def test_on_rank0_under_ddp_takes_rank_0s_verdict(sent, monkeypatch):
+    """Rank 1 runs no check and raises what rank 0 broadcast (torch.distributed stood in for: its
+    broadcast fills the box with rank 0's verdict). Seen failing with src=1, the box not passed,
+    or the box's content not read."""
+    def broadcast(box, src):
+        assert src == 0 and box == [None]
+        box[0] = sent
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast)
+    run = lambda: train.on_rank0(lambda: pytest.fail("rank 1 ran the check"), True, False)  # noqa
+    assert (refused(run) if sent else run()) == sent
+
+
 def test_compile_failure_names_the_root_cause_of_a_compiler_error():
     class CompilerError(Exception):
         pass

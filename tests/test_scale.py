@@ -234,6 +234,22 @@ def test_ddp_syncs_on_the_last_micro_step_only():
     assert one.synced == [True]
 
 
+def test_accumulate_averages_the_scalar_tensor_stats_only():
+    """A stat that is not a one-element tensor (a count, a per-layer vector) is not averaged and
+    does not break the step. Seen failing with `and` read as `or`."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x, y):
+            loss = self.w * x.float().mean()
+            return None, loss, {"a": x.float().mean(), "layers": torch.ones(3), "n": 3}
+    loss, stats = train.accumulate(Model(), [(torch.tensor([1.0]), None),
+                                             (torch.tensor([3.0]), None)], CPU)
+    assert loss.item() == 2.0 and stats == {"a": 2.0}
+
+
 def test_each_micro_step_draws_its_own_batch():
     """Micro-batch m of step it on rank r comes from (seed, it, r, m): distinct, reproducible on
     resume; one micro-batch keeps the key runs before accumulation used. Seen failing with one
