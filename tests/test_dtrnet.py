@@ -893,6 +893,9 @@ def test_flops_terms_by_value():
     assert dtrnet.flops_terms(cfg, 64) == (3200 + 2 * 28736 + 2 * 21568, 4096, 4160)
     assert dtrnet.flops_per_token(cfg, 64, [0.5, 0.25]) == 103808 + 4096 * 0.75 + 4160 * 0.3125
     assert dtrnet.flops_per_token(cfg, 64, 0.5) == 103808 + 2 * (4096 * 0.5 + 4160 * 0.25)
+    # a pattern given: a float ρ is its D layers' (three here, not cfg's two)
+    assert dtrnet.flops_per_token(cfg, 64, 0.5, pattern="TDDDT") \
+        == 3200 + 2 * 28736 + 3 * 21568 + 3 * (4096 * 0.5 + 4160 * 0.25)
     assert dtrnet.flops_ratio(cfg, 64, [0.5, 0.25]) == pytest.approx(108180 / 118144, rel=1e-12)
     assert dtrnet.flops_terms(cfg, 64, hidden=100)[0] == 103808 - 4 * 2 * 2 * 32 * 28
 

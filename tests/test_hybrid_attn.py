@@ -453,6 +453,10 @@ def test_temperature_schedule():
     m.on_step(50); assert abs(m.tau.item() - 0.5) < 1e-6
     m.on_step(100); assert abs(m.tau.item() - 0.25) < 1e-6
     assert "tau" not in m.state_dict()  # checkpoints keep their keys
+    m.on_step(50)  # a pass's tau stat is its own τ, a copy: the next on_step leaves it as it was
+    idx = torch.randint(0, 40, (1, 8))
+    tau = m.train()(idx, idx)[2]["tau"]
+    m.on_step(100); assert abs(tau.item() - 0.5) < 1e-6
 
 
 def test_eval_stats_contract(monkeypatch):
