@@ -1066,6 +1066,20 @@ def test_ddp_env_reads_torchruns_variables(monkeypatch):
                                       "sets them)")
 
 
+def test_what_is_checked_to_fit_is_the_run_the_data_decides(runs, tmp_path, monkeypatch,
+                                                              capsys):
+    """check_fits sees the Config after the data set its vocabulary and record length (copy: 35
+    tokens, records of 23 -> block_size 22), not the flags' values."""
+    seen = []
+
+    def check_fits(cfg, meta, module, device):
+        seen.append((cfg.vocab_size, cfg.block_size))
+        raise common.NanorouteError("stop here")
+    monkeypatch.setattr(train, "check_fits", check_fits)
+    one_error(capsys, lambda: train.main(flags(runs / "data", tmp_path / "r", "--dataset=copy")))
+    assert seen == [(35, 22)]
+
+
 def test_under_ddp_rank_0_alone_prints_the_one_error_line(monkeypatch, capsys):
     """Every rank refuses a bad flag with exit 2; rank 0 (not every rank, not none) says why."""
     for rank, says in ((0, "error: n_head must be >= 1, got 0\n"), (1, "")):
