@@ -554,6 +554,12 @@ def test_config_rules_at_their_edges():
         with pytest.raises(err, match=says):
             C(**{name: value})
     assert C(seed=2 ** 63 - 1, gelu="tanh", device="cuda:1", min_lr=2e-3).seed == 2 ** 63 - 1
+    assert C(device="cuda:10").device == "cuda:10"  # a 16-GPU node's eleventh GPU
+    # a paper's own fields are type-checked too: the rule is common.Config's, the fields are self's
+    import tsa
+    with pytest.raises(err, match="^lam must be float, got '0.1'$"):
+        tsa.Config(lam="0.1")
+    assert type(tsa.Config(lam=1).lam) is float
     assert C(learning_rate=1e-300, min_lr=0.0).learning_rate == 1e-300
     for name in ("beta1", "beta2", "dropout"):
         assert getattr(C(**{name: 0.0}), name) == 0.0 and getattr(C(**{name: 0.99}), name) == 0.99

@@ -393,7 +393,7 @@ def test_fineweb_files_are_the_val_shard_and_the_first_training_ones():
 
 
 def test_shards_must_be_a_positive_integer(tmp_path):
-    for bad in (0, -1, 1.5, "2"):
+    for bad in (0, -1, 1.5, "2", True):  # a bool is no count, though Python's bool is an int
         with pytest.raises(common.NanorouteError, match="shards must be an integer >= 1"):
             common.prepare("fineweb_edu", str(tmp_path), shards=bad)
 
