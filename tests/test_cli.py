@@ -7,6 +7,7 @@ import json
 import os
 import runpy
 import shlex
+import re
 import shutil
 import signal
 import subprocess
@@ -168,6 +169,9 @@ TRAIN_CASES = {
     "init_from a folder of nothing": (["--init_from={data}"], None,
                                       "no config.json or model.safetensors there "
                                       "(a Hugging Face GPT-2"),
+    "init_from a routed run": (["--init_from={data}/../tsa/ckpt.pt", "--n_layer=2"],
+                               lambda r, t, m: copy_run(r, t, "tsa") and None,
+                               "/tsa/ckpt.pt has weights --model gpt lacks: ['"),
     "init_from a log": (["--init_from={data}/shakespeare/meta.json"], None,
                         "meta.json is corrupt or not a nanoroute checkpoint (UnpicklingError)"),
     "a leftover RANK": ([], lambda r, t, m: [m.delenv(k, raising=False) for k in (
@@ -521,6 +525,38 @@ def test_train_lines_time_the_steps_alone(runs, tmp_path, monkeypatch, capsys):
     assert [r["mfu"] for r in recs] == pytest.approx([3 * fpt * 32 / 1e6] * 2, rel=1e-3)
 
 
+def test_the_run_says_its_size_and_times_its_evals_and_itself_from_its_start(
+        runs, tmp_path, monkeypatch, capsys):
+    """The first line names the tokens a step trains on; an eval record's time is the seconds since
+    the start to 2 decimals; the last line the run's duration. A clock at 1e9 s that ticks
+    1.0005 s a call. Seen failing with the time a constant, to 3 decimals, t0 added not
+    subtracted, and the header's "tokens" changed."""
+    clock = iter(range(10 ** 6))
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(
+        time=lambda: 1e9 + 1.0005 * next(clock), perf_counter=time.perf_counter))
+    monkeypatch.setattr(train, "summary", lambda *a: None)
+    train.main(flags(runs / "data", tmp_path / "run"))
+    out = capsys.readouterr().out
+    assert ", 1 process(es), 4 iters of 2×16 tokens\n" in out
+    times = [r["time"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
+             if r["kind"] == "eval"]
+    assert times == sorted(set(times)) and all(t == round(t, 2) for t in times), times
+    assert any(round(t % 1, 3) not in (0.0, 0.5) for t in times), times  # where 3 decimals show
+    assert re.search(r"\ndone in \d+s; best val loss ", out) and times[-1] < 100
+
+
+def test_the_data_is_prepared_with_the_runs_shards(runs, tmp_path, monkeypatch, capsys):
+    """Seen failing with shards=None passed to prepare."""
+    seen = []
+
+    def prepare(dataset, data_dir, shards=None):
+        seen.append((dataset, data_dir, shards))
+        raise common.NanorouteError("stop here")
+    monkeypatch.setattr(common, "prepare", prepare)
+    one_error(capsys, lambda: train.main(flags(runs / "data", tmp_path / "r", "--shards=3")))
+    assert seen == [("shakespeare", str(runs / "data"), 3)]
+
+
 def test_each_step_runs_at_its_own_schedule_step(runs, tmp_path, monkeypatch):
     """A model's step schedule (TSA's hard phase, conddepth's label steps, the hybrid's
     temperature) is told the step about to be trained: 0, 1, 2, 3 for a 4-step run."""
@@ -782,6 +818,7 @@ def test_a_ddp_rank_other_than_0_seeds_and_resumes_as_its_own(runs, tmp_path, mo
     (rng_cpu[1]) before its first step, and writes nothing. The run stops at that step."""
     dist = torch.distributed
     monkeypatch.setattr(train, "ddp_env", lambda: (True, 1, 2))
+    monkeypatch.chdir(tmp_path)  # no data/ here: rank 1 reads --data_dir's meta.json, not ./data's
     for name in ("init_process_group", "barrier", "destroy_process_group"):
         monkeypatch.setattr(dist, name, lambda *a, **k: None, raising=False)
     monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src: None)  # rank 0: no error
@@ -1356,6 +1393,12 @@ def test_summary_by_value(tmp_path, monkeypatch, capsys):
                                       "val loss 1.2500: what inference runs"]
     assert model.seen == ["eval", ([list(range(common.TASK_LEN + 2))], common.TASK_LEN + 1, 0,
                                    None)]
+    # a routed run with no dense GPT of its sizes in out/: the line says how to make one
+    (out / "gpt" / "config.json").unlink()
+    train.summary(SummaryStub(routed=True), dataclasses.replace(cfg, model="dtrnet"), meta, val,
+                  torch.device("cpu"), str(out / "dtrnet" / "metrics.jsonl"))
+    assert "\nno dense GPT of the same preset in out/ to compare with (run train.py --model gpt " \
+        "with the same flags)\n" in capsys.readouterr().out
 
 
 def test_find_dense_run_takes_the_first_finished_gpt_of_the_same_sizes(tmp_path, monkeypatch):
