@@ -169,6 +169,10 @@ TRAIN_CASES = {
     "init_from a folder of nothing": (["--init_from={data}"], None,
                                       "no config.json or model.safetensors there "
                                       "(a Hugging Face GPT-2"),
+    "unknown dataset": (["--dataset=imdb"], None, "unknown dataset 'imdb'; choose one of "
+                        "shakespeare, shakespeare_bpe, enwik8, copy, sort, fineweb_edu"),
+    "unknown preset": (["--preset=laptop"], None, "unknown preset 'laptop' for --model gpt; "
+                       "choose one of classroom, paper, gpu"),
     "init_from a routed run": (["--init_from={data}/../tsa/ckpt.pt", "--n_layer=2"],
                                lambda r, t, m: copy_run(r, t, "tsa") and None,
                                "/tsa/ckpt.pt has weights --model gpt lacks: ['"),
@@ -675,6 +679,8 @@ def test_a_path_with_a_tilde_is_under_home_and_a_replaced_vocab_size_is_said(
     assert "note: vocab_size 100 -> 65, shakespeare's vocabulary" in capsys.readouterr().out
     train.main(["--sample=~/run", "--num_tokens=3", "--temperature=1e-300", "--device=cpu"])
     assert "sample:" in capsys.readouterr().out
+    train.main(flags(runs / "data", "~/run", "--resume", "--max_iters=2"))  # --resume's too
+    assert common.load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["iter"] == 2
 
 
 def test_compile_failing_at_compile_time_is_one_line_before_anything_is_written(
