@@ -64,6 +64,14 @@ def copy_run(runs, tmp_path, name="gpt"):
     return tmp_path / name
 
 
+def drop_a_weight(out):
+    """A checkpoint whose weights miss one tensor its own config makes."""
+    ckpt = common.load_checkpoint(str(out / "ckpt.pt"))
+    ckpt["model"].pop(next(iter(ckpt["model"])))
+    torch.save(ckpt, out / "ckpt.pt")
+    return out
+
+
 def edit_config(out, lr=None, model=None):
     """A config.json edited by hand after the run was written."""
     cfg = json.loads((out / "config.json").read_text())
@@ -169,6 +177,11 @@ TRAIN_CASES = {
     "init_from a folder of nothing": (["--init_from={data}"], None,
                                       "no config.json or model.safetensors there "
                                       "(a Hugging Face GPT-2"),
+    "resume weights that do not fit": (["--resume", "--max_iters=9"],
+                                       lambda r, t, m: drop_a_weight(copy_run(r, t)),
+                                       "{out}/ckpt.pt does not fit this run's gpt (Error(s) in "
+                                       "loading state_dict for Model:); resume with the flags it "
+                                       "was trained with"),
     "unknown dataset": (["--dataset=imdb"], None, "unknown dataset 'imdb'; choose one of "
                         "shakespeare, shakespeare_bpe, enwik8, copy, sort, fineweb_edu"),
     "unknown preset": (["--preset=laptop"], None, "unknown preset 'laptop' for --model gpt; "
