@@ -1167,6 +1167,44 @@ def test_under_ddp_rank_0_alone_prints_the_one_error_line(monkeypatch, capsys):
         assert e.value.code == 2 and capsys.readouterr().err == says
 
 
+def test_build_makes_the_variant_a_config_asks_for():
+    """tsa's early-exit baseline is a class of its own (tsa.build); a module without build() makes
+    its Model. Seen failing with build looked up on None or by another name."""
+    import tsa
+    tiny = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=20)
+    assert type(train.build(tsa, tsa.Config(**tiny, variant="early_exit"))) is tsa.EarlyExit
+    assert type(train.build(tsa, tsa.Config(**tiny))) is tsa.Model
+    assert type(train.build(common, common.Config(**tiny))) is common.Model
+
+
+def test_main_reads_sys_argv_and_says_an_os_error_in_one_line(monkeypatch, capsys, tmp_path):
+    """main() with no argv reads sys.argv after the script's name; an OSError is its file and
+    reason, or its text where it names no file. Seen failing with sys.argv[2:], list(None), and
+    the file always named."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--n_head=0", "--n_head=0"])
+    assert one_error(capsys, train.main) == "error: --n_head is given twice; give each flag once"
+    for e, says in ((OSError(28, "No space left on device", "/x/ckpt.pt"),
+                     "error: /x/ckpt.pt: No space left on device"),
+                    (OSError("disk gone"), "error: disk gone")):
+        monkeypatch.setattr(train, "train", lambda *a, e=e: (_ for _ in ()).throw(e))
+        assert one_error(capsys, lambda: train.main(["--n_layer=1"])) == says
+
+
+def test_a_reader_gone_ends_train_py_quietly(monkeypatch, capsys):
+    """stdout's reader gone (head, a pager): no traceback; a run cut short exits 1, as Python
+    does on a broken pipe; --help just ends. Seen failing with exit 2 and os.open of None or
+    without its flags."""
+    def gone(*a, **k):
+        raise BrokenPipeError
+    monkeypatch.setattr(train, "parse", gone)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--n_layer=1"])
+    assert e.value.code == 1 and capsys.readouterr().err == ""
+    monkeypatch.setattr(train, "print_help", gone)
+    assert train.main(["--help"]) is None and capsys.readouterr().err == ""
+
+
 def test_on_rank0_runs_the_check_on_rank_0_alone_and_raises_its_verdict():
     calls = []
     assert train.on_rank0(lambda: calls.append(1) or "out", False, True) == "out"
