@@ -1235,7 +1235,8 @@ def test_on_rank0_under_ddp_takes_rank_0s_verdict(sent, monkeypatch):
     assert (refused(run) if sent else run()) == sent
 
 
-def test_compile_failure_names_the_root_cause_of_a_compiler_error():
+# no 'compil' in this name: the suite's quick selection (-k 'not compile') keeps it
+def test_a_dynamo_or_inductor_error_names_its_root_cause():
     class CompilerError(Exception):
         pass
     CompilerError.__module__ = "torch._inductor.exc"
@@ -1283,6 +1284,13 @@ def test_resume_line_gives_the_command_that_continues(tmp_path, monkeypatch):
     assert train.resume_line(["--out_dir=a b"], cfg) == (
         "interrupted; continue with: torchrun --standalone --nproc_per_node=3 train.py "
         "'--out_dir=a b' --resume")
+    # no --out_dir: the run's folder is out/<model>-<dataset> (out_dir_of), whose ckpt.pt says
+    # resume; told to --overwrite, a user would remove the run
+    (tmp_path / "cwd" / "out" / "gpt-shakespeare").mkdir(parents=True)
+    (tmp_path / "cwd" / "out" / "gpt-shakespeare" / "ckpt.pt").write_text("")
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert train.resume_line([], common.Config()) == (
+        "interrupted; continue with: torchrun --standalone --nproc_per_node=3 train.py --resume")
 
 
 def test_differences_names_what_a_checkpoint_and_the_run_disagree_on():
