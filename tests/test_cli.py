@@ -463,7 +463,23 @@ def test_help(capsys):
     train.main(["--sample", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: python train.py --sample RUN_DIR") and "--temperature=0.8" in out
-    assert out.splitlines()[2] == "Generate text from a trained run (nanoGPT's sample.py)."
+    assert out.splitlines()[:3] == [
+        "usage: python train.py --sample RUN_DIR [--prompt TEXT] [--num_tokens N] "
+        "[--temperature T] ...", "", "Generate text from a trained run (nanoGPT's sample.py)."]
+    # each flag shows once, and a model's own group holds exactly its Config's own fields
+    train.main(["--model=tsa", "--help"])
+    groups, keys = {}, []
+    for ln in capsys.readouterr().out.split("\n--grad_accum=N")[0].splitlines():
+        if ln.endswith(":") and not ln.startswith(" "):
+            title = ln
+        elif ln.startswith("  --"):
+            groups.setdefault(title, []).append(ln.split("=")[0].strip()[2:])
+            keys.append(groups[title][-1])
+    import tsa
+    common_fields = {f.name for f in dataclasses.fields(common.Config)}
+    assert len(keys) == len(set(keys))
+    assert set(groups["--model tsa (tsa.py's Config):"]) == {
+        f.name for f in dataclasses.fields(tsa.Config)} - common_fields - set(train.FLAGS)
 
 
 def test_help_prose_by_value(capsys, monkeypatch):
@@ -471,12 +487,14 @@ def test_help_prose_by_value(capsys, monkeypatch):
     shows its default alone. Seen failing with each text changed and with a placeholder help."""
     train.main(["--help"])
     out = capsys.readouterr().out
-    assert out.splitlines()[:4] == [
+    assert out.splitlines()[:6] == [
         "usage: python train.py [--model M] [--dataset D] [--preset P] [--resume | --overwrite] "
         "[--key=value ...]",
         "       python train.py --sample RUN_DIR [--prompt TEXT] ...  "
         "(python train.py --sample --help)",
-        "       python train.py --model M --help  (that model's own flags)", ""]
+        "       python train.py --model M --help  (that model's own flags)", "",
+        train.__doc__.strip().splitlines()[0],
+        "Every flag is --key=value or --key value; a bool alone (--compile) is true."]
     assert ("\n--grad_accum=N: N micro-batches of batch_size per step, the gradients of their "
             "mean loss\n(DDP syncs on the last); a router's batch statistics are each "
             "micro-batch's: dtrnet's α_l,\nthe hybrid's balance loss and Gumbel noise, "
