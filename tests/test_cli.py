@@ -500,6 +500,13 @@ def test_help_prose_by_value(capsys, monkeypatch):
             "micro-batch's: dtrnet's α_l,\nthe hybrid's balance loss and Gumbel noise, "
             "conddepth's budget/alive losses and θ_l, tsa's\ncalibration (train.accumulate's "
             "docstring gives each difference)\n") in out
+    presets = out.split("\npresets of --model gpt (--preset NAME sets these; flags given too "
+                        "win):\n")[1].splitlines()
+    assert [ln.split(":")[0] for ln in presets] == ["  classroom", "  paper", "  gpu"]
+    assert presets[0] == ("  classroom: --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 "
+                          "--batch_size=16 --max_iters=1500 --eval_interval=500 --eval_iters=20 "
+                          "--log_interval=100 --learning_rate=0.002 --min_lr=0.0001 "
+                          "--warmup_iters=50")
     monkeypatch.setattr(train, "field_help", lambda config: {})
     train.main(["--help"])
     assert "\n  --n_head=6\n" in capsys.readouterr().out
