@@ -1212,7 +1212,9 @@ def test_main_reads_sys_argv_and_says_an_os_error_in_one_line(monkeypatch, capsy
     for e, says in ((OSError(28, "No space left on device", "/x/ckpt.pt"),
                      "error: /x/ckpt.pt: No space left on device"),
                     (OSError("disk gone"), "error: disk gone")):
-        monkeypatch.setattr(train, "train", lambda *a, e=e: (_ for _ in ()).throw(e))
+        def raises(*a, e=e):
+            raise e
+        monkeypatch.setattr(train, "train", raises)
         assert one_error(capsys, lambda: train.main(["--n_layer=1"])) == says
 
 
@@ -1256,7 +1258,8 @@ def test_on_rank0_under_ddp_takes_rank_0s_verdict(sent, monkeypatch):
         assert src == 0 and box == [None]
         box[0] = sent
     monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast)
-    run = lambda: train.on_rank0(lambda: pytest.fail("rank 1 ran the check"), True, False)  # noqa
+    def run():
+        return train.on_rank0(lambda: pytest.fail("rank 1 ran the check"), True, False)
     assert (refused(run) if sent else run()) == sent
 
 
