@@ -1484,6 +1484,7 @@ def test_summary_by_value(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert text.splitlines()[1:3] == ["== gpt on copy: summary ==",
                                       "val loss 1.2500: what inference runs"]
+    assert "dense GPT" not in text  # a dense run is not compared with a dense GPT
     assert model.seen == ["eval", ([list(range(common.TASK_LEN + 2))], common.TASK_LEN + 1, 0,
                                    None)]
     # a routed run with no dense GPT of its sizes in out/: the line says how to make one
@@ -1492,6 +1493,18 @@ def test_summary_by_value(tmp_path, monkeypatch, capsys):
                   torch.device("cpu"), str(out / "dtrnet" / "metrics.jsonl"))
     assert "\nno dense GPT of the same preset in out/ to compare with (run train.py --model gpt " \
         "with the same flags)\n" in capsys.readouterr().out
+    # a model that logs skips but no FLOPs: the skip line ends at the mean; a long context shows
+    # its first 256 tokens
+    (out / "mod").mkdir()
+    (out / "mod" / "metrics.jsonl").write_text(json.dumps(
+        {"kind": "eval", "step": 4, "val_loss": 2.0, "val_skip_l1": 0.5}) + "\n")
+    val = np.arange(300, dtype=np.uint16) % 3
+    train.summary(SummaryStub(routed=True), dataclasses.replace(cfg, block_size=300), meta, val,
+                  torch.device("cpu"), str(out / "mod" / "metrics.jsonl"))
+    text = capsys.readouterr().out
+    assert "\nwork really skipped (share of tokens on the cheap path), per layer: layer 1 50%; " \
+        "mean 50%\n<speed>\n" in text
+    assert f"<picture [{(val[:256].tolist())}] " in text
 
 
 def test_find_dense_run_takes_the_first_finished_gpt_of_the_same_sizes(tmp_path, monkeypatch):
@@ -1890,6 +1903,15 @@ def test_render_routing_text_and_page_exactly():
     one = train.render_routing({"dataset": "shakespeare", "itos": ["X"]}, [0], torch.ones(1, 1),
                                ["l"], ("a", "b"), "t", color=False)
     assert one == "t   legend: a = light '.', b = dark '#'\n-- l: b 100%\nX\n#"
+    # colour: a line ends after a newline token and at `width` (96 unless given), nothing between
+    colored = train.render_routing(meta, idx[2:6], m[:1, 2:6], ["l"], ("a", "b"), "t", width=2)
+    cell = "\x1b[38;2;0;0;0;48;2;{}m{}\x1b[0m"
+    assert colored.splitlines()[2:] == [cell.format("227;185;149", "c") + cell.format("214;234;248",
+                                        " "), cell.format("214;234;248", "⏎"),
+                                        cell.format("239;138;54", "a")]
+    wide = train.render_routing({"dataset": "shakespeare", "itos": ["X"]}, [0] * 100,
+                                torch.ones(1, 100), ["l"], ("a", "b"), "t", color=False)
+    assert wide.splitlines()[2:] == ["X" * 96, "#" * 96, "X" * 4, "#" * 4]
 
 
 def test_render_routing_page_exactly(tmp_path):
@@ -1913,6 +1935,12 @@ def test_render_routing_page_exactly(tmp_path):
         + span.format("220, 210, 200", ' title="0.25"', "b")
         + span.format("214, 234, 248", ' title="0.00"', "&amp;")
         + "</pre>\n</body></html>\n")
+    # one token per row: each row's mean is its one value; rows are sections one line apart
+    train.render_routing(meta, [1], torch.tensor([[1.0], [0.0]]), ["r1", "r2"], ("a", "b"), "t",
+                         str(path))
+    page = path.read_text(encoding="utf-8")
+    assert "<h2>r1 <small>(b 100%)</small></h2>" in page and "(b 0%)" in page
+    assert "</pre>\n<h2>r2 " in page
 
 
 def test_ddp_schedules_reach_the_model_inside_the_wrapper(runs, tmp_path, monkeypatch):
