@@ -1,5 +1,5 @@
-"""DTRNet tests: tiny float64 models for exactness, the `dev` matrix (CPU fp32/bf16, CUDA, MPS) for the model
-contract; < 60 s in total."""
+"""DTRNet tests: tiny float64 models for exactness, the `dev` matrix (CPU fp32/bf16, CUDA, MPS) for
+the model contract; < 60 s in total."""
 import json
 import os
 
@@ -26,15 +26,17 @@ def make(seed=0, dtype=torch.float64, **kw):
 
 
 class FixedRouter(nn.Module):
-    """Test router: token at position `offset + t` is routed where `table` (B, T_max) is True; probabilities
-    0.7/0.3 (0.3/0.7), fp32. Decisions do not depend on the numerics, so every path and dtype agrees."""
+    """Test router: token at position `offset + t` is routed where `table` (B, T_max) is True;
+    probabilities 0.7/0.3 (0.3/0.7), fp32. Decisions do not depend on the numerics, so every path
+    and dtype agrees."""
 
     def __init__(self, table):
         super().__init__()
         self.table, self.offset = table, 0
 
     def forward(self, x):
-        t = self.table[:, self.offset:self.offset + x.size(1)].to(device=x.device, dtype=torch.float32)
+        t = self.table[:, self.offset:self.offset + x.size(1)].to(device=x.device,
+                                                                  dtype=torch.float32)
         p = 0.3 + 0.4 * t  # (B, T)
         return torch.stack([p, 1 - p], -1)
 
@@ -60,24 +62,26 @@ def mixed_table(B, T, seed=1):
 
 
 def sharpen(m):
-    """Unit-gain init: logits ~5, attention deltas as large as x, routers far from 50/50 — outputs depend on
-    the context (at the default init a tied-embedding model just repeats its input token) and a wrong path
-    differs by far more than bf16's tolerance."""
+    """Unit-gain init: logits ~5, attention deltas as large as x, routers far from 50/50 — outputs
+    depend on the context (at the default init a tied-embedding model just repeats its input token)
+    and a wrong path differs by far more than bf16's tolerance."""
     for name, p in m.named_parameters():
         if p.dim() == 2:
-            nn.init.normal_(p.data, 0.0, 1.0 if name.startswith(("wte", "wpe")) else p.size(1) ** -0.5)
+            nn.init.normal_(p.data, 0.0,
+                            1.0 if name.startswith(("wte", "wpe")) else p.size(1) ** -0.5)
     return m
 
 
 def window_start(n, block_size):
-    """The brief's window policy, written independently of common.py (the reference for generate)."""
+    """The brief's window policy, written independently of common.py
+    (the reference for generate)."""
     if n <= block_size:
         return 0
     h = max(block_size // 2, 1)
     return n - h - ((n - block_size - 1) % (block_size - h + 1))
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # config and the paper's constants
 
 def test_patterns():
@@ -86,14 +90,15 @@ def test_patterns():
     assert dtrnet.layer_pattern("trilayer", 7) == "TDDTDDT"
     assert dtrnet.layer_pattern("laterhalf", 6) == "TTTDDT"
     assert dtrnet.layer_pattern("TDDT", 4) == "TDDT"
-    assert dtrnet.layer_pattern("bilayer", 32).count("D") == 15  # the paper's 360M model: 15 D layers
+    # the paper's 360M model: 15 D layers
+    assert dtrnet.layer_pattern("bilayer", 32).count("D") == 15
 
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(layers="DTTT"), "first and last"), (dict(layers="TTTD"), "first and last"),
     (dict(layers="TXDT"), "string of T and D"), (dict(layers="TDT"), "n_layer=4"),
-    (dict(layers=""), "string of T and D"), (dict(variant="mod"), "variant"), (dict(lam=-1.0), "lam"),
-    (dict(lam=-1e-6), "lam"),
+    (dict(layers=""), "string of T and D"), (dict(variant="mod"), "variant"),
+    (dict(lam=-1.0), "lam"), (dict(lam=-1e-6), "lam"),
     (dict(lam=float("nan")), "lam"), (dict(norm="batchnorm"), "norm"),
 ])
 def test_config_errors_are_one_line(kw, msg):
@@ -117,7 +122,8 @@ def test_paper_constants_are_pinned():
     assert (p["learning_rate"], p["weight_decay"], p["grad_clip"]) == (3e-4, 0.01, 0.1)
     assert p["warmup_iters"] == round(0.1 * p["max_iters"])  # warm-up ratio 0.1
     c = dtrnet.PRESETS["classroom"]
-    assert {k: c[k] for k in common.CLASSROOM} == common.CLASSROOM and dtrnet.Config(**c).pattern.count("D") >= 2
+    assert ({k: c[k] for k in common.CLASSROOM} == common.CLASSROOM
+            and dtrnet.Config(**c).pattern.count("D") >= 2)
 
 
 def test_router_parameter_count_and_dense_checkpoint_loads():
@@ -125,7 +131,8 @@ def test_router_parameter_count_and_dense_checkpoint_loads():
         m = make(bias=bias)
         extra = m.num_params() - common.Model(m.cfg).num_params()
         d = 32
-        assert extra == 2 * (d * d // 2 + d // 2 * 2 + (d // 2 + 2) * bias) == 2 * dtrnet.router_params(m.cfg)
+        assert (extra == 2 * (d * d // 2 + d // 2 * 2 + (d // 2 + 2) * bias)
+                == 2 * dtrnet.router_params(m.cfg))
     m = make()
     missing, unexpected = m.load_state_dict(common.Model(m.cfg).state_dict(), strict=False)
     assert not unexpected and missing and all(".router." in k for k in missing)
@@ -143,14 +150,16 @@ def test_rmsnorm_option():
     assert torch.allclose(m(idx, sparse=True)[0], m(idx)[0], atol=1e-10)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # router, eq. (1)-(2), and loss, eq. (7)
 
 def test_router_is_eq1_on_the_residual_stream():
-    """Computed independently from each D block's input x: softmax(SiLU(x W1) W2), decisions g_attn > g_bypass."""
+    """Computed independently from each D block's input x: softmax(SiLU(x W1) W2),
+    decisions g_attn > g_bypass."""
     m = make(layers="TDDT").train()
     for b in d_blocks(m):
-        b.router.w2.weight.data *= 30  # decisions away from 50/50, so a changed input or activation shows
+        # decisions away from 50/50, so a changed input or activation shows
+        b.router.w2.weight.data *= 30
     ins, outs = [], []
     for b in d_blocks(m):
         b.register_forward_pre_hook(lambda mod, a: ins.append(a[0]))
@@ -161,7 +170,8 @@ def test_router_is_eq1_on_the_residual_stream():
         g = F.softmax(F.silu(xin @ b.router.w1.weight.T) @ b.router.w2.weight.T, -1)  # (B, T, 2)
         assert torch.allclose(out, g, atol=1e-12)
         assert 0.05 < (g[..., 0] > g[..., 1]).double().mean() < 0.95
-        assert st[f"frac_l{i}"].item() == pytest.approx((g[..., 0] > g[..., 1]).double().mean().item())
+        assert st[f"frac_l{i}"].item() == pytest.approx(
+            (g[..., 0] > g[..., 1]).double().mean().item())
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -197,9 +207,11 @@ def test_routing_loss_hand_computed():
 
 
 def hooked_eq7(m, x):
-    """Loss and eq. (7)'s routing term computed from the router outputs seen in one training forward."""
+    """Loss and eq. (7)'s routing term computed from the router outputs seen
+    in one training forward."""
     seen = []
-    hs = [b.router.register_forward_hook(lambda mod, inp, out: seen.append(out)) for b in d_blocks(m)]
+    hs = [b.router.register_forward_hook(lambda mod, inp, out: seen.append(out))
+          for b in d_blocks(m)]
     _, loss, st = m(x, x)
     for h in hs:
         h.remove()
@@ -217,8 +229,8 @@ def test_total_loss_matches_eq7_from_router_outputs():
 
 
 def test_lambda_term_gradient_reaches_the_routers():
-    """The λ term must train the routers: ∂loss(λ)/∂θ − ∂loss(0)/∂θ = λ ∂(eq. 7)/∂θ. (A detached g keeps the
-    loss's VALUE identical, so only a gradient check catches it.)"""
+    """The λ term must train the routers: ∂loss(λ)/∂θ − ∂loss(0)/∂θ = λ ∂(eq. 7)/∂θ. (A detached g
+    keeps the loss's VALUE identical, so only a gradient check catches it.)"""
     x = torch.randint(0, 50, (3, 40))
     grads = {}
     for lam in (0.0, 0.5):
@@ -241,11 +253,12 @@ def test_router_gets_gradient_through_probability_scaling():
         assert b.router.w1.weight.grad.abs().sum() > 0 and b.router.w2.weight.grad.abs().sum() > 0
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # packed (training / sparse) path == masked reference, exactly in float64
 
 def tddt_with_fixed_routing(B=5, T=48):
-    """A T D D T model whose D layers route by mixed_table(B, T), an eval-mode model and its input."""
+    """A T D D T model whose D layers route by mixed_table(B, T),
+    an eval-mode model and its input."""
     m = make(layers="TDDT").eval()
     table = mixed_table(B, T)
     fix_routers(m, table)
@@ -271,14 +284,16 @@ def test_sparse_equals_eval_learned_router_and_row_independence(bias):
     counts = [int(b.route(m.embed(x))[2].sum(1).unique().numel()) for b in d_blocks(m)]
     assert counts[0] > 1  # rows really route different numbers of tokens
     x2 = x.clone()
-    x2[1:] = torch.randint(0, 50, (3, 64))  # other rows change -> row 0 must not (no leak across the batch)
+    # other rows change -> row 0 must not (no leak across the batch)
+    x2[1:] = torch.randint(0, 50, (3, 64))
     for sparse in (False, True):
         assert torch.allclose(m(x2, sparse=sparse)[0][0], ref[0], atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_training_path_equals_masked_reference_with_gradients(bias):
-    """Training runs the packed path: its output AND every parameter gradient equal the eq. (6) mask's."""
+    """Training runs the packed path: its output AND every parameter gradient
+    equal the eq. (6) mask's."""
     m = make(layers="TDDT", bias=bias).train()
     blk = d_blocks(m)[0]
     fix_routers(m, mixed_table(5, 40))
@@ -288,7 +303,8 @@ def test_training_path_equals_masked_reference_with_gradients(bias):
     for packed in (False, True):
         y = blk(x, packed)[0]
         outs.append(y)
-        grads.append(torch.autograd.grad((y * w).sum(), [x] + list(blk.parameters()), allow_unused=True))
+        grads.append(torch.autograd.grad((y * w).sum(), [x] + list(blk.parameters()),
+                                         allow_unused=True))
     assert torch.allclose(outs[0], outs[1], atol=1e-12)
     for a, b in zip(*grads):
         assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-12))
@@ -300,7 +316,8 @@ def test_padded_packing_is_the_same_function(monkeypatch, dtype):
     of PACK_MULTIPLE (the padding rows are bypassed tokens): logits and every parameter gradient
     equal those of the exact packed length, in fp32 and under bf16 autocast."""
     m = sharpen(make(dtype=torch.float32)).train()
-    table = mixed_table(5, 48)[2:]  # rows routing ~10%, ~50%, ~90%: the largest count is not a multiple of 16
+    # rows routing ~10%, ~50%, ~90%: the largest count is not a multiple of 16
+    table = mixed_table(5, 48)[2:]
     fix_routers(m, table)
     x = torch.randint(0, 50, (3, 48))
     n_max = int(table.sum(1).max())
@@ -323,7 +340,8 @@ def test_padded_packing_is_the_same_function(monkeypatch, dtype):
         runs.append([logits.float(), sparse] + grads)
     assert lengths[0] == runs[0] == n_max < runs[2] == 48  # the bucketed batch has padding rows
     tol = 2e-2 if dtype == "bf16" else 1e-5
-    for a, b in zip(runs[1], runs[3]):  # relative to each tensor's largest entry: bf16 has ~3 digits
+    # relative to each tensor's largest entry: bf16 has ~3 digits
+    for a, b in zip(runs[1], runs[3]):
         assert (a - b).abs().max() <= tol * b.abs().max()
 
 
@@ -337,8 +355,8 @@ def test_a_traced_training_step_pads_every_row_to_T(monkeypatch):
     x, lengths, runs = torch.randint(0, 50, (2, 48)), [], []
     orig = dtrnet.DTRBlock.attend_packed
     monkeypatch.setattr(dtrnet, "PACK_MULTIPLE", 16)  # 64 would round 24 up to T = 48
-    monkeypatch.setattr(dtrnet.DTRBlock, "attend_packed",
-                        lambda self, h, v, delta, R: lengths.append(R) or orig(self, h, v, delta, R))
+    monkeypatch.setattr(dtrnet.DTRBlock, "attend_packed", lambda self, h, v, delta, R:
+                        lengths.append(R) or orig(self, h, v, delta, R))
     for tracing in (False, True):
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: tracing)
         m.train().zero_grad()
@@ -393,11 +411,12 @@ def test_all_routed_equals_dense_block_scaled():
         assert torch.allclose(blk(x, packed)[0], h + blk.ffn_delta(h), atol=1e-12)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # variants
 
 def test_bypass_is_ln1_wv_wo_and_no_token_mixing():
-    """All bypassed: eq. (5) with the SAME LN1, W_V (slice of c_attn) and W_O (c_proj), scaled by g_bypass."""
+    """All bypassed: eq. (5) with the SAME LN1, W_V (slice of c_attn) and W_O (c_proj),
+    scaled by g_bypass."""
     m = make().eval()
     blk = d_blocks(m)[0]
     blk.router = FixedRouter(torch.zeros(2, 64, dtype=torch.bool))
@@ -416,7 +435,8 @@ def test_skip_variant_never_attends():
     blk = d_blocks(m)[0]
     h = torch.randn(2, 20, 32, dtype=torch.float64)
     h2 = h.clone()
-    h2[:, :10] += 1.0  # change earlier tokens: a skip layer mixes nothing, later outputs are unchanged
+    # change earlier tokens: a skip layer mixes nothing, later outputs are unchanged
+    h2[:, :10] += 1.0
     assert torch.allclose(blk(h)[0][:, 10:], blk(h2)[0][:, 10:], atol=1e-12)
     g = blk.router(h)[..., 1]
     e = h + g[..., None] * blk.attn.c_proj(blk.proj(blk.ln_1(h), "v"))
@@ -442,11 +462,12 @@ def test_no_vo_variant_bypass_is_identity():
     assert torch.allclose(blk(x, True)[0], y, atol=1e-12)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # cached decoding: prefill / step, window policy, generate
 
 def cached_logits(m, x, T0):
-    """prefill(x[:, :T0]) then one step per later token -> (B, T − T0 + 1, V) logits of positions T0−1 …"""
+    """prefill(x[:, :T0]) then one step per later token
+    -> (B, T − T0 + 1, V) logits of positions T0−1 …"""
     logits, state = m.prefill(x[:, :T0])
     steps = [logits]
     for t in range(T0, x.size(1)):
@@ -463,7 +484,8 @@ def test_prefill_step_equal_full_forward_and_cache_holds_routed_tokens_only(bias
     full, _, _ = m(x)
     got, state = cached_logits(m, x, T0)
     assert torch.allclose(got, full[:, T0 - 1:], atol=1e-10, rtol=0)
-    # a D layer holds exactly the routed tokens of each row, in order (K of the routed tokens); T layers all
+    # a D layer holds exactly the routed tokens of each row, in order (K of the routed tokens);
+    # T layers all
     caches, pos = state
     h = m.embed(x)
     assert pos == T
@@ -495,9 +517,10 @@ def test_batch_one_decode_equals_full_forward_on_both_paths(variant, bias):
 
 
 def test_decode_bypassed_tokens_cache_nothing():
-    """A token no row routes leaves every D layer's cache as it was: no slot kept (n stays 0), only the scratch
-    slot n[b] visible to the next query (which overwrites it), and the KV bytes are the T layers' alone. (The
-    fixed-shape step computes its Q, K and attention and discards them: one graph, no host sync.)"""
+    """A token no row routes leaves every D layer's cache as it was: no slot kept (n stays 0), only
+    the scratch slot n[b] visible to the next query (which overwrites it), and the KV bytes are the
+    T layers' alone. (The fixed-shape step computes its Q, K and attention and discards them: one
+    graph, no host sync.)"""
     m = make(layers="TDDT").eval()
     routers = fix_routers(m, torch.zeros(2, 64, dtype=torch.bool))
     x = torch.randint(0, 50, (2, 30))
@@ -516,8 +539,9 @@ def test_decode_bypassed_tokens_cache_nothing():
 
 
 class HashRouter(nn.Module):
-    """Test router: routes a pseudo-random half of the tokens by a fixed function of the token's residual vector
-    (so a decoded token is routed as in the full forward, and no Python state changes between steps)."""
+    """Test router: routes a pseudo-random half of the tokens by a fixed function of the token's
+    residual vector (so a decoded token is routed as in the full forward, and no Python state
+    changes between steps)."""
 
     def forward(self, x):
         u = torch.frac(x[..., :8].float().sum(-1).abs() * 9973.0)  # (B, T) ~ uniform in [0, 1)
@@ -563,16 +587,18 @@ def reference_generate(m, prompt, n_new, temperature, window):
 @pytest.mark.parametrize("block_size", [1, 2, 16])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_generate_cached_equals_cache_free_past_block_size(block_size, temperature):
-    """Greedy, and sampled with the same seed (sampling makes the text depend on the context, so a wrong
-    window shows; greedy text from a random model settles on one repeated token)."""
+    """Greedy, and sampled with the same seed (sampling makes the text depend on the context, so a
+    wrong window shows; greedy text from a random model settles on one repeated token)."""
     m = sharpen(make(layers="TDDT", block_size=block_size, dtype=torch.float32)).eval()
     prompt = torch.randint(0, 50, (3, 3))
     n_new = 3 * block_size + 7
     runs = []
     for gen in (lambda: m.generate(prompt, n_new, temperature),
                 lambda: common.LM.generate(m, prompt, n_new, temperature, use_cache=False),
-                lambda: reference_generate(m, prompt, n_new, temperature, window_start),  # policy written here
-                lambda: reference_generate(m, prompt, n_new, temperature, lambda n, bs: max(0, n - bs))):
+                # policy written here
+                lambda: reference_generate(m, prompt, n_new, temperature, window_start),
+                lambda: reference_generate(m, prompt, n_new, temperature,
+                                           lambda n, bs: max(0, n - bs))):
         torch.manual_seed(7)
         runs.append(gen())
     assert torch.equal(runs[0], runs[2]) and torch.equal(runs[1], runs[2])
@@ -591,10 +617,11 @@ def test_step_logits_equal_window_forward_for_every_prefix():
         w_prev = w
         assert torch.allclose(logits, m(x[:, w:n])[0][:, -1], atol=1e-10, rtol=0)
     with pytest.raises(common.NanorouteError):
-        m.step(x[:, :1], m.prefill(x[:, :bs])[1])  # past block_size: a clear error, not a wrong answer
+        # past block_size: a clear error, not a wrong answer
+        m.step(x[:, :1], m.prefill(x[:, :bs])[1])
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the model contract on every device × dtype (tests/conftest.py's `dev`)
 
 def dev_model(dev, B=4, T=40, **kw):
@@ -605,8 +632,9 @@ def dev_model(dev, B=4, T=40, **kw):
 
 
 def close(a, b, dev):
-    """Logits a ≈ b within dev.tol(), the relative part taken against each row's largest logit: bf16 logits
-    near 10 have a resolution of 0.06, so elementwise rtol on a logit near 0 would demand more than bf16 has."""
+    """Logits a ≈ b within dev.tol(), the relative part taken against each row's largest logit: bf16
+    logits near 10 have a resolution of 0.06, so elementwise rtol on a logit near 0 would demand
+    more than bf16 has."""
     atol, rtol = dev.tol()
     a, b = a.float(), b.float()
     return bool(((a - b).abs() <= atol + rtol * b.abs().amax(-1, keepdim=True)).all())
@@ -649,8 +677,9 @@ def test_dev_cached_decode_equals_full_forward(dev, variant):
             logits, state = m.step(x[:, t:t + 1], state)
             steps.append(logits)
     assert close(torch.stack(steps, 1), full[:, T0 - 1:], dev)
+    # typed from K/V
     assert all(c.k.dtype == (torch.float32 if not dev.low
-               else torch.bfloat16 if dev.dtype == "bf16" else torch.float16) for c in state[0])  # typed from K/V
+               else torch.bfloat16 if dev.dtype == "bf16" else torch.float16) for c in state[0])
 
 
 def test_dev_training_step(dev):
@@ -664,14 +693,15 @@ def test_dev_training_step(dev):
     with dev.autocast():
         _, loss, st = m(x, x)
     loss.backward()
-    assert all(p.dtype == torch.float32 for p in probs)  # router decisions in fp32 (numerics policy)
+    # router decisions in fp32 (numerics policy)
+    assert all(p.dtype == torch.float32 for p in probs)
     assert torch.isfinite(loss) and 0.05 < st["frac_attn"].item() < 0.95
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
     for b in d_blocks(m):
         assert b.router.w1.weight.grad.abs().sum() > 0 and b.router.w2.weight.grad.abs().sum() > 0
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # eval stats, routing map, accounting
 
 def test_eval_stats_contract():
@@ -682,8 +712,11 @@ def test_eval_stats_contract():
     for i in m.d_layers:
         assert st[f"skip_l{i}"].item() == pytest.approx(1 - rho.item())
     assert st["skipped"].item() == pytest.approx(1 - rho.item())
-    assert torch.equal(st["soft_loss"], st["lm_loss"])  # the training computation is the same hard routing
-    d = 32  # by hand: T layers dense; D layers router + V + W_O + MLP, and Q, K + scores for the routed share
+    # the training computation is the same hard routing
+    assert torch.equal(st["soft_loss"], st["lm_loss"])
+    # by hand: T layers dense; D layers router + V + W_O + MLP,
+    # and Q, K + scores for the routed share
+    d = 32
     dense_layer = 2 * 4 * d * d + 4 * d * (T + 1) / 2 + 2 * 2 * d * 4 * d
     d_layer = 2 * (d * d // 2 + d) + 2 * d * d * (1 + 2 * rho) + 2 * d * d + 16 * d * d \
         + rho * 4 * d * rho * (T + 1) / 2
@@ -701,7 +734,8 @@ def test_routing_map():
     assert mp.shape == (2, 30) and mp.device.type == "cpu" and mp.dtype == torch.float32
     assert torch.equal(mp[0], table[0].float()) and torch.equal(mp[1], (~table[0]).float())
     assert rows == ["layer 1", "layer 2"] and legend[1] == "attention" and m.training
-    assert torch.equal(m.eval().routing_map(torch.randint(0, 50, (1, 30)))[0], mp) and not m.training
+    assert (torch.equal(m.eval().routing_map(torch.randint(0, 50, (1, 30)))[0], mp)
+            and not m.training)
 
 
 def test_flops_accounting():
@@ -714,7 +748,8 @@ def test_flops_accounting():
     assert dtrnet.flops_per_token(cfg, T, 1.0) == pytest.approx(dense + 2 * dtrnet.flops_router(32))
     r = [dtrnet.flops_ratio(cfg, t, 0.1) for t in (256, 2048, 20000)]
     assert r[0] > r[1] > r[2]
-    # paper Fig. 4 (1.3B: 24 layers, d=2048, SwiGLU 5632, bilayer, ~10% routed) reports 0.785 at 20K tokens
+    # paper Fig. 4 (1.3B: 24 layers, d=2048, SwiGLU 5632, bilayer, ~10% routed)
+    # reports 0.785 at 20K tokens
     big = dtrnet.Config(n_layer=24, n_embd=2048, n_head=32, vocab_size=32000, block_size=20000)
     assert dtrnet.flops_ratio(big, 20000, 0.1, hidden=1.5 * 5632) == pytest.approx(0.778, abs=0.002)
 
@@ -769,18 +804,19 @@ def test_kv_cache_bytes_at_known_routed_counts():
     assert dense == 4 * B * S * per_token and held == (2 * B * S + 2 * routed) * per_token
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # CLI
 
 def test_cli_smoke(data_dir, tmp_path):
     out = str(tmp_path / "run")
     train.main(["--model", "dtrnet", "--dataset", "shakespeare", "--max_iters=2", "--eval_iters=1",
                 "--n_layer=3", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2",
-                f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=2", "--log_interval=1"])
+                f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=2",
+                "--log_interval=1"])
     rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     ev = [r for r in rows if r["kind"] == "eval"][-1]
-    assert {"val_frac_attn", "val_route_loss", "val_frac_l1", "val_flops_ratio", "val_skip_l1", "val_skipped",
-            "val_soft_loss", "val_flops_saved_hard"} <= set(ev)
+    assert {"val_frac_attn", "val_route_loss", "val_frac_l1", "val_flops_ratio", "val_skip_l1",
+            "val_skipped", "val_soft_loss", "val_flops_saved_hard"} <= set(ev)
     assert os.path.exists(os.path.join(out, "ckpt.pt"))
 
 

@@ -1,6 +1,7 @@
-"""Tests for hybrid_attn.py: the gated delta rule (chunked == recurrent == a float64 loop written here from Yang
-et al.'s equations, fp32 state under bf16 autocast), routing and the balance loss, and the model contract on
-the device matrix (sparse == dense-hard, causality, cached decoding == full forward, a training step)."""
+"""Tests for hybrid_attn.py: the gated delta rule (chunked == recurrent == a float64 loop written
+here from Yang et al.'s equations, fp32 state under bf16 autocast), routing and the balance loss,
+and the model contract on the device matrix (sparse == dense-hard, causality,
+cached decoding == full forward, a training step)."""
 import math
 import os
 import subprocess
@@ -39,7 +40,8 @@ def rel(a, b):
 @pytest.mark.parametrize("chunk", [1, 3, 16, 64])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunked_equals_recurrent_float64(chunk, with_state):
-    q, k, v, g, beta, S0 = gdr_inputs(T=37)  # 37 is not a multiple of 3, 16 or 64: exercises the padding
+    # 37 is not a multiple of 3, 16 or 64: exercises the padding
+    q, k, v, g, beta, S0 = gdr_inputs(T=37)
     S0 = S0 if with_state else None
     o1, s1 = H.gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=S0)
     o2, s2 = H.gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=chunk, initial_state=S0)
@@ -57,7 +59,8 @@ def test_chunked_equals_recurrent_float32():
 
 
 def test_chunked_defaults_and_no_final_state_on_request():
-    """The default chunk is the Config's 64 (fla's too); output_final_state=False returns no state."""
+    """The default chunk is the Config's 64 (fla's too);
+    output_final_state=False returns no state."""
     import inspect
     default = inspect.signature(H.gated_delta_rule_chunked).parameters["chunk_size"].default
     assert default == H.Config.chunk_size == 64
@@ -105,26 +108,30 @@ def test_recurrence_matches_hand_computation():
 @pytest.mark.parametrize("fn", ["recurrent", "chunked"])
 def test_split_with_carried_state_equals_one_pass(fn):
     q, k, v, g, beta, _ = gdr_inputs(T=50)
-    run = (lambda *a, s=None: H.gated_delta_rule_recurrent(*a, initial_state=s)) if fn == "recurrent" else \
-        (lambda *a, s=None: H.gated_delta_rule_chunked(*a, chunk_size=16, initial_state=s))
+    run = ((lambda *a, s=None: H.gated_delta_rule_recurrent(*a, initial_state=s))
+           if fn == "recurrent" else
+           (lambda *a, s=None: H.gated_delta_rule_chunked(*a, chunk_size=16, initial_state=s)))
     o, S = run(q, k, v, g, beta)
     cut = 21
     oa, Sa = run(*(t[:, :, :cut] for t in (q, k, v, g, beta)))
     ob, Sb = run(*(t[:, :, cut:] for t in (q, k, v, g, beta)), s=Sa)
-    assert torch.allclose(torch.cat([oa, ob], 2), o, atol=1e-10) and torch.allclose(Sb, S, atol=1e-10)
+    assert torch.allclose(torch.cat([oa, ob], 2), o, atol=1e-10) and torch.allclose(
+        Sb, S, atol=1e-10)
 
 
 def test_chunked_gradcheck():
     q, k, v, g, beta, S0 = gdr_inputs(B=1, Hh=1, T=7, K=3, V=2)
     args = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S0)]
-    f = lambda q, k, v, g, b, s: H.gated_delta_rule_chunked(q, k, v, g, b, chunk_size=3, initial_state=s)
+    f = lambda q, k, v, g, b, s: H.gated_delta_rule_chunked(q, k, v, g, b, chunk_size=3,
+                                                            initial_state=s)
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("decays", ["strong", "mixed"])
 def test_chunked_fp32_accurate_with_extreme_decays(decays):
-    """Masking before exp (no inf/nan from e^{+large} above the diagonal) and no cancellation: with log decays
-    of −1e4 next to tiny ones, Γ_i − Γ_j of two large cumulative sums loses ~1e-3 in fp32."""
+    """Masking before exp (no inf/nan from e^{+large} above the diagonal) and no cancellation:
+    with log decays of −1e4 next to tiny ones, Γ_i − Γ_j of two large cumulative sums loses ~1e-3
+    in fp32."""
     q, k, v, g, beta, _ = gdr_inputs(B=1, Hh=2, T=256, K=16, V=16)
     if decays == "strong":
         g = g * 100  # log decays down to −200 per token
@@ -138,12 +145,14 @@ def test_chunked_fp32_accurate_with_extreme_decays(decays):
 
 @pytest.mark.parametrize("fn", ["recurrent", "chunked"])
 def test_state_math_stays_fp32_under_bf16_autocast(fn):
-    """bf16 inputs (what the layer produces under autocast) -> fp32 state and outputs with fp32-level error
-    against a float64 run on the same inputs (it was 4e-3 at T=1024 with the state computed in bf16)."""
+    """bf16 inputs (what the layer produces under autocast) -> fp32 state and outputs with
+    fp32-level error against a float64 run on the same inputs (it was 4e-3 at T=1024 with the state
+    computed in bf16)."""
     q, k, v, g, beta, S0 = gdr_inputs(B=1, Hh=2, T=1024 if fn == "chunked" else 128, K=16, V=16)
     q, k, v = (t.bfloat16() for t in (q, k, v))
     g, beta, S0 = g.float(), beta.float(), S0.float()
-    ref_o, ref_S = H.gated_delta_rule_recurrent(*(t.double() for t in (q, k, v, g, beta)), initial_state=S0.double())
+    ref_o, ref_S = H.gated_delta_rule_recurrent(*(t.double() for t in (q, k, v, g, beta)),
+                                                initial_state=S0.double())
     run = H.gated_delta_rule_recurrent if fn == "recurrent" else H.gated_delta_rule_chunked
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o, S = run(q, k, v, g, beta, initial_state=S0)
@@ -151,22 +160,27 @@ def test_state_math_stays_fp32_under_bf16_autocast(fn):
     assert rel(o, ref_o) < 1e-5 and rel(S, ref_S) < 1e-5
 
 
-@pytest.mark.skipif(H._fla_chunk is None or not torch.cuda.is_available(), reason="fla (Triton) and CUDA not both here")
+@pytest.mark.skipif(H._fla_chunk is None or not torch.cuda.is_available(),
+                    reason="fla (Triton) and CUDA not both here")
 def test_fla_kernel_agrees_with_the_pytorch_reference():
     q, k, v, g, beta, S0 = (t.float().cuda() for t in gdr_inputs(B=2, Hh=4, T=300, K=64, V=64))
     ref_o, ref_S = H.gated_delta_rule_chunked(q, k, v, g, beta, initial_state=S0)
     o, S = H.gated_delta_rule_fla(q, k, v, g, beta, initial_state=S0)
-    assert o.dtype == S.dtype == torch.float32 and rel(o, ref_o) < 1e-2 and rel(S, ref_S) < 1e-2  # bf16 kernel
+    # bf16 kernel
+    assert o.dtype == S.dtype == torch.float32 and rel(o, ref_o) < 1e-2 and rel(S, ref_S) < 1e-2
 
 
-@pytest.mark.skipif(H._fla_recurrent is None or not torch.cuda.is_available(), reason="no fla (Triton) or no CUDA")
+@pytest.mark.skipif(H._fla_recurrent is None or not torch.cuda.is_available(),
+                    reason="no fla (Triton) or no CUDA")
 @pytest.mark.parametrize("B", [1, 2])
 def test_fla_decode_step_agrees_with_the_reference_step(B):
-    """On CUDA the eager decode step takes fla's fused recurrent kernel; from the same prefill it decodes like the
-    PyTorch step (their L2 norms differ only for |x|² near 1e-6) and leaves the same state, in fp32 and bf16."""
+    """On CUDA the eager decode step takes fla's fused recurrent kernel; from the same prefill it
+    decodes like the PyTorch step (their L2 norms differ only for |x|² near 1e-6) and leaves the
+    same state, in fp32 and bf16."""
     torch.manual_seed(0)
     m = H.Model(tiny()).cuda().eval()
-    m.forced_route = torch.rand(B, 30, len(m.routed), device="cuda") < 0.5  # bf16 may flip a decision at the margin
+    # bf16 may flip a decision at the margin
+    m.forced_route = torch.rand(B, 30, len(m.routed), device="cuda") < 0.5
     x = torch.randint(0, 40, (B, 30), device="cuda")
 
     def decode(fla):  # -> logits (B, 20, V), the GDN states
@@ -247,17 +261,18 @@ def test_use_fla_falls_back_to_the_chunked_reference_where_fla_cannot_run(monkey
             assert torch.equal(la, lb)
 
 
-# ---------------------------------------------------------------- the GDN layer against its equations
+# -------------------------------------------------------------- the GDN layer against its equations
 
 def gdn_reference(gdn, x):
-    """Yang et al.'s Gated DeltaNet layer, one timestep at a time in float64, from the equations alone:
-    z = causal conv₄(W_qkv x); q, k, v = SiLU(z); q ← q/‖q‖·K^−½, k ← k/‖k‖; β = σ(W_b x);
+    """Yang et al.'s Gated DeltaNet layer, one timestep at a time in float64, from the equations
+    alone: z = causal conv₄(W_qkv x); q, k, v = SiLU(z); q ← q/‖q‖·K^−½, k ← k/‖k‖; β = σ(W_b x);
     g = −e^{A_log}·softplus(W_a x + dt_bias); S ← e^g S; S ← S + β k (v − Sᵀk)ᵀ; o = Sᵀq;
     y = W_o(RMSNorm(o) per head · w ⊙ SiLU(W_g x))."""
     Hh, K, V = gdn.H, gdn.K, gdn.V
     B, T, C = x.shape
     proj = x @ gdn.qkv_proj.weight.T                                 # (B, T, H(2K+V))
-    w = gdn.conv.weight[:, 0]                                        # (ch, 4); tap 3 is the current token
+    # (ch, 4); tap 3 is the current token
+    w = gdn.conv.weight[:, 0]
     S = torch.zeros(B, Hh, K, V, dtype=x.dtype)
     ys = []
     for t in range(T):
@@ -287,7 +302,8 @@ def reference_layer(seed=0, qk_scale=1.0, **kw):
     gdn = H.GatedDeltaNet(cfg).double()
     gdn.reset_gdn_parameters()
     with torch.no_grad():  # heads with different scales: a norm over all heads is not one per head
-        gdn.qkv_proj.weight.mul_(torch.linspace(0.5, 4.0, gdn.qkv_proj.weight.size(0), dtype=torch.float64)[:, None])
+        gdn.qkv_proj.weight.mul_(torch.linspace(0.5, 4.0, gdn.qkv_proj.weight.size(0),
+                                                dtype=torch.float64)[:, None])
         gdn.qkv_proj.weight[:2 * gdn.H * gdn.K].mul_(qk_scale)  # the q and k rows
         gdn.norm_weight.copy_(torch.linspace(0.5, 1.5, gdn.V))
         gdn.b_proj.weight.mul_(30)  # β spread over (0, 1), not ≈ 0.5
@@ -335,7 +351,8 @@ def tiny(**kw):
 @pytest.mark.parametrize("kw,msg", [
     (dict(pattern="G R S"), "has 3 layers"),
     (dict(pattern="G R X S"), "unknown layer 'X'"),
-    (dict(pattern="GR RS", n_layer=2), "has 4 layers"),                  # spaces are not separators of groups
+    # spaces are not separators of groups
+    (dict(pattern="GR RS", n_layer=2), "has 4 layers"),
     (dict(pattern="R G G S"), "layer 0 cannot be routed"),
     (dict(balance=-0.1), "balance"),
     (dict(tau_end=0.0), "temperatures"),
@@ -350,7 +367,8 @@ def test_config_pattern_forms_and_presets():
     assert tiny(pattern="GRRS").kinds == tiny(pattern="G R R S").kinds == "GRRS"
     for name, preset in H.PRESETS.items():
         H.Config(**preset)  # every preset is a valid config
-    assert {k: H.PRESETS["classroom"][k] for k in common.CLASSROOM if k not in ("max_iters", "eval_interval")} == \
+    assert {k: H.PRESETS["classroom"][k] for k in common.CLASSROOM
+            if k not in ("max_iters", "eval_interval")} == \
         {k: v for k, v in common.CLASSROOM.items() if k not in ("max_iters", "eval_interval")}
 
 
@@ -382,7 +400,8 @@ def test_balance_loss_values():
     probs = torch.tensor([0.9, 0.1]).expand(100, 2, 2)
     assert abs(H.balance_loss(probs, hard).item() - 1.64) < 1e-6
     # f counts hard decisions, P averages probabilities: f = [1, 0], P = [0.6, 0.4] -> 2·0.6 = 1.2
-    assert abs(H.balance_loss(torch.tensor([0.6, 0.4]).expand(100, 1, 2), hard_col).item() - 1.2) < 1e-6
+    assert abs(H.balance_loss(torch.tensor([0.6, 0.4]).expand(100, 1, 2), hard_col).item()
+               - 1.2) < 1e-6
 
 
 def test_train_balance_uses_hard_fractions_and_noise_free_probabilities():
@@ -392,9 +411,12 @@ def test_train_balance_uses_hard_fractions_and_noise_free_probabilities():
     torch.manual_seed(5)
     _, loss, stats = m(x, x)
     with torch.no_grad():
-        P = m.router(m.ln_r(m.blocks[0](m.embed(x)))).view(4, 32, 2, 2).softmax(-1).mean((0, 1))  # (nR, 2)
-    f = torch.stack([torch.stack([stats[f"gdn_frac_l{i}"], 1 - stats[f"gdn_frac_l{i}"]]) for i in m.routed])
-    assert 0 < f[:, 0].min() and f[:, 0].max() < 1  # both mixers used: P and f are not interchangeable
+        # (nR, 2)
+        P = m.router(m.ln_r(m.blocks[0](m.embed(x)))).view(4, 32, 2, 2).softmax(-1).mean((0, 1))
+    f = torch.stack([torch.stack([stats[f"gdn_frac_l{i}"], 1 - stats[f"gdn_frac_l{i}"]])
+                     for i in m.routed])
+    # both mixers used: P and f are not interchangeable
+    assert 0 < f[:, 0].min() and f[:, 0].max() < 1
     assert torch.isclose(stats["balance"], (2 * (f * P).sum(-1)).mean(), atol=1e-6)
     assert torch.isclose(loss, stats["lm_loss"] + 0.01 * stats["balance"])
     assert set(stats) == {"lm_loss", "skip_l1", "gdn_frac_l1", "skip_l2", "gdn_frac_l2", "skipped",
@@ -404,7 +426,8 @@ def test_train_balance_uses_hard_fractions_and_noise_free_probabilities():
 
 @pytest.mark.parametrize("tau", [1.0, 0.3])
 def test_straight_through_gradient_is_the_tau_softmax(monkeypatch, tau):
-    """Forward = onehot(argmax(z + γ)); gradient = that of softmax((z + γ)/τ): the τ and the noise both count."""
+    """Forward = onehot(argmax(z + γ)); gradient = that of softmax((z + γ)/τ):
+    the τ and the noise both count."""
     torch.manual_seed(0)
     m = H.Model(tiny())
     m.tau.fill_(tau)
@@ -417,14 +440,16 @@ def test_straight_through_gradient_is_the_tau_softmax(monkeypatch, tau):
     (gw,) = torch.autograd.grad((y * c).sum(), m.router.weight)
     z = m.router(m.ln_r(h0)).view(2, 32, 2, 2)
     p = ((z + gamma) / tau).softmax(-1)
-    assert torch.equal(hard, F.one_hot((z + gamma).argmax(-1), 2).float()) and torch.equal(y.detach(), hard)
+    assert torch.equal(hard, F.one_hot((z + gamma).argmax(-1), 2).float()) and torch.equal(
+        y.detach(), hard)
     (want,) = torch.autograd.grad((p * c).sum(), m.router.weight)
     assert torch.allclose(gw, want, atol=1e-7, rtol=1e-5)
 
 
 @pytest.mark.parametrize("which", ["lm", "balance"])
 def test_gradients_reach_the_router(which):
-    """Through the LM loss alone (straight-through Gumbel, α = 0) and through the balance loss alone."""
+    """Through the LM loss alone (straight-through Gumbel, α = 0)
+    and through the balance loss alone."""
     torch.manual_seed(0)
     m = H.Model(tiny(balance=0.0 if which == "lm" else 1.0))
     x = torch.randint(0, 40, (2, 32))
@@ -460,7 +485,8 @@ def test_temperature_schedule():
 
 
 def test_eval_stats_contract(monkeypatch):
-    """soft_loss = the training-mode loss without noise; skip_l{i} = GDN fraction; flops_saved_hard from it."""
+    """soft_loss = the training-mode loss without noise; skip_l{i} = GDN fraction;
+    flops_saved_hard from it."""
     torch.manual_seed(0)
     m = H.Model(tiny()).eval()
     x = torch.randint(0, 40, (4, 32))
@@ -468,11 +494,14 @@ def test_eval_stats_contract(monkeypatch):
         _, loss, st = m(x, x)
         monkeypatch.setattr(H, "gumbel_like", torch.zeros_like)
         _, train_loss, train_st = m.train()(x, x)
-    assert torch.isclose(st["soft_loss"], train_st["lm_loss"], atol=1e-6) and torch.equal(st["soft_loss"], st["lm_loss"])
-    assert torch.isclose(loss, st["lm_loss"] + 0.01 * st["balance"])  # the LM part is lm_loss (estimate_loss's)
+    assert torch.isclose(st["soft_loss"], train_st["lm_loss"], atol=1e-6) and torch.equal(
+        st["soft_loss"], st["lm_loss"])
+    # the LM part is lm_loss (estimate_loss's)
+    assert torch.isclose(loss, st["lm_loss"] + 0.01 * st["balance"])
     skips = [st[f"skip_l{i}"] for i in m.routed]
     assert all(torch.equal(st[f"skip_l{i}"], st[f"gdn_frac_l{i}"]) for i in m.routed)
-    assert 0 < min(skips) and max(skips) < 1 and torch.isclose(st["skipped"], sum(skips) / len(skips))
+    assert 0 < min(skips) and max(skips) < 1 and torch.isclose(
+        st["skipped"], sum(skips) / len(skips))
     want = 1 - H.flops_per_token(m.cfg, 32, [1 - s.item() for s in skips], sparse=True) / \
         common.dense_flops_per_token(m.cfg, 32)
     assert abs(st["flops_saved_hard"].item() - want) < 1e-6
@@ -487,7 +516,8 @@ def test_static_pattern_has_no_router_or_routing_stats():
     _, loss, stats = m(x, x)
     assert not hasattr(m, "router") and set(stats) == {"lm_loss", "soft_loss", "flops_saved_hard"}
     assert torch.equal(loss, stats["lm_loss"])
-    assert abs(stats["flops_saved_hard"].item() - (1 - H.flops_per_token(m.cfg, 16) / common.dense_flops_per_token(m.cfg, 16))) < 1e-9
+    assert abs(stats["flops_saved_hard"].item() - (
+        1 - H.flops_per_token(m.cfg, 16) / common.dense_flops_per_token(m.cfg, 16))) < 1e-9
 
 
 def test_routing_map():
@@ -495,7 +525,8 @@ def test_routing_map():
     m = H.Model(tiny()).train()
     x = torch.randint(0, 40, (1, 32))
     mp, rows, legend = m.routing_map(x)
-    assert m.training and mp.shape == (2, 32) and mp.device.type == "cpu" and rows == ["layer 1", "layer 2"]
+    assert (m.training and mp.shape == (2, 32) and mp.device.type == "cpu"
+            and rows == ["layer 1", "layer 2"])
     m.eval()
     with torch.no_grad():
         _, _, hard = m.route(m.blocks[0](m.embed(x)))
@@ -503,7 +534,7 @@ def test_routing_map():
     assert H.Model(tiny(pattern="G G G S")).routing_map(x)[0].shape == (0, 32)
 
 
-# ---------------------------------------------------------------- the model contract on the device matrix
+# ---------------------------------------------------------- the model contract on the device matrix
 
 def model_on(dev, seed=0, **kw):
     """A tiny model on dev with O(1) logits (so dev.tol() is tight relative to them), router margins
@@ -532,8 +563,9 @@ def test_sparse_equals_dense_hard(dev, bias):
     with torch.no_grad(), dev.autocast():
         dense, _, sd = m(x, x)
         sparse, _, ss = m(x, x, sparse=True)
-        soft = m.route(m.blocks[0](m.embed(x)))[2][..., 1].sum(1)            # (B, nR) tokens sent to softmax
-    assert len(set(soft[:, 0].tolist())) > 1 and (soft > 0).all() and (soft < 32).all()  # rows differ
+        soft = m.route(m.blocks[0](m.embed(x)))[2][..., 1].sum(1)  # (B, nR) tokens sent to softmax
+    # rows differ
+    assert len(set(soft[:, 0].tolist())) > 1 and (soft > 0).all() and (soft < 32).all()
     assert dense.abs().max() > 1 and close(sparse, dense, dev)
     assert all(torch.equal(sd[f"skip_l{i}"], ss[f"skip_l{i}"]) for i in m.routed)
 
@@ -549,23 +581,27 @@ def test_sparse_really_skips_and_equals_dense_forced(monkeypatch):
     m.forced_route = forced
     queries, gdn_reads = [], []
     orig = common.CausalSelfAttention.attend
-    monkeypatch.setattr(common.CausalSelfAttention, "attend",
-                        lambda self, q, k, v, **kw: queries.append(q.size(2)) or orig(self, q, k, v, **kw))
+    monkeypatch.setattr(common.CausalSelfAttention, "attend", lambda self, q, k, v, **kw:
+                        queries.append(q.size(2)) or orig(self, q, k, v, **kw))
     for i in (1, 2):
-        m.blocks[i].gdn.c_proj.register_forward_hook(lambda mod, inp, out: gdn_reads.append(inp[0].shape[:-1].numel() // 3))
+        m.blocks[i].gdn.c_proj.register_forward_hook(
+            lambda mod, inp, out: gdn_reads.append(inp[0].shape[:-1].numel() // 3))
     with torch.no_grad():
         dense, _, _ = m(x)
         queries.clear(), gdn_reads.clear()
         sparse, _, _ = m(x, sparse=True)
     assert queries == [11, 10, 32]     # softmax queries in layers 1, 2 (max per row), 3 (all)
-    assert gdn_reads == [32, 22]       # GDN outputs in layer 1 (row 2 has no softmax token), layer 2 (32 − 10)
+    assert gdn_reads == [32, 22]       # GDN outputs in layer 1 (row 2 has no softmax token),
+                                       # layer 2 (32 − 10)
     assert torch.allclose(sparse, dense, atol=1e-10)
-    m.forced_route = torch.zeros(3, 32, 2, dtype=torch.bool)  # nobody routed to softmax: no attention at all
+    # nobody routed to softmax: no attention at all
+    m.forced_route = torch.zeros(3, 32, 2, dtype=torch.bool)
     with torch.no_grad():
         queries.clear()
         sparse = m(x, sparse=True)[0]
         assert queries == [32] and torch.allclose(sparse, m(x)[0], atol=1e-10)
-    writes = []  # everybody routed to softmax, no cache to fill: the routed layers write no GDN state
+    # everybody routed to softmax, no cache to fill: the routed layers write no GDN state
+    writes = []
     for i in (1, 2):
         m.blocks[i].gdn.qkv_proj.register_forward_hook(lambda mod, inp, out: writes.append(i))
     m.forced_route = torch.ones(3, 32, 2, dtype=torch.bool)
@@ -665,7 +701,8 @@ def test_causality(dev, mode):
     x2[:, 20:] = torch.randint(0, 40, (2, 12), device=dev.device)
     outs = []
     for inp in (x, x2):
-        torch.manual_seed(7)  # same Gumbel noise tensor in train mode: noise at position t is independent of the input
+        # same Gumbel noise tensor in train mode: noise at position t is independent of the input
+        torch.manual_seed(7)
         with dev.autocast():
             outs.append(m(inp, sparse=mode == "sparse")[0].detach())
     assert close(outs[0][:, :20], outs[1][:, :20], dev)
@@ -676,12 +713,14 @@ def test_causality(dev, mode):
                                           ("S S S S", False), ("S R G R", False),
                                           ("G R R S", True), ("S R G R", True)])
 def test_cached_decoding_equals_full_forward(dev, pattern, bias):
-    """prefill + step == the full forward at every position. Low precision: decisions are forced (the same
-    in both paths), because a router logit at the threshold may legitimately flip between bf16 paths."""
+    """prefill + step == the full forward at every position. Low precision: decisions are forced
+    (the same in both paths), because a router logit at the threshold may legitimately flip between
+    bf16 paths."""
     m = model_on(dev, pattern=pattern, bias=bias).eval()
     x = torch.randint(0, 40, (3, 30), device=dev.device)
     if dev.low and m.routed:
-        m.forced_route = torch.rand(3, 30, len(m.routed), generator=torch.Generator().manual_seed(1)).lt(0.4).to(dev.device)
+        m.forced_route = torch.rand(
+            3, 30, len(m.routed), generator=torch.Generator().manual_seed(1)).lt(0.4).to(dev.device)
     with torch.no_grad(), dev.autocast():
         full, _, _ = m(x)
         logits, state = m.prefill(x[:, :5])
@@ -736,7 +775,8 @@ def test_prefill_matches_the_window_reference_at_every_prefix():
 
 @pytest.mark.parametrize("B", [1, 2])
 def test_generate_cached_equals_cache_free_past_block_size(B):
-    """Greedy, fp32, token for token. B=1 is how users decode: there step() skips the read a token does not need."""
+    """Greedy, fp32, token for token. B=1 is how users decode:
+    there step() skips the read a token does not need."""
     torch.manual_seed(0)
     m = H.Model(tiny(block_size=16)).eval()
     with torch.no_grad():
@@ -770,9 +810,11 @@ def test_training_step(dev):
 def test_all_softmax_pattern_loads_dense_gpt_weights():
     torch.manual_seed(0)
     cfg = tiny(pattern="S S S S")
-    gpt = common.Model(common.Config(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=40)).eval()
+    gpt = common.Model(common.Config(n_layer=4, n_head=2, n_embd=32, block_size=32,
+                                     vocab_size=40)).eval()
     m = H.Model(cfg).eval()
-    m.load_state_dict(gpt.state_dict(), strict=True)  # same names as common.Model: --init_from works
+    # same names as common.Model: --init_from works
+    m.load_state_dict(gpt.state_dict(), strict=True)
     x = torch.randint(0, 40, (2, 32))
     assert torch.allclose(m(x)[0], gpt(x)[0], atol=1e-6)
 
@@ -817,10 +859,12 @@ def test_flops_accounting():
     assert dense_hard - H.flops_per_token(cfg, 32, 0.0, sparse=True) == pytest.approx(
         2 * (2 * d * d + 2 * d * d + common.flops_attn_scores(d, common.mean_context(32))))
     assert H.flops_per_token(cfg, 32, [0.0, 1.0], sparse=True) == pytest.approx(
-        (H.flops_per_token(cfg, 32, 0.0, sparse=True) + H.flops_per_token(cfg, 32, 1.0, sparse=True)) / 2)
+        (H.flops_per_token(cfg, 32, 0.0, sparse=True)
+         + H.flops_per_token(cfg, 32, 1.0, sparse=True)) / 2)
     static_gdn = H.flops_per_token(tiny(pattern="G G G S"), 32)
     assert H.flops_per_token(cfg, 32, sparse=True) == H.flops_per_token(cfg, 32, 0.0, sparse=True)
-    assert H.flops_per_token(cfg, 32, 0.0, sparse=True) - static_gdn == pytest.approx(2 * (4 * d * d + 2 * d * 2))
+    assert H.flops_per_token(cfg, 32, 0.0, sparse=True) - static_gdn == pytest.approx(
+        2 * (4 * d * d + 2 * d * 2))
 
 
 def test_train_flops_per_token_by_value():
@@ -864,15 +908,18 @@ def test_main_refuses_any_argument_but_help(capsys, argv):
 
 def test_cli_smoke(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "--model", "hybrid", "--dataset", "shakespeare", "--max_iters=2",
-           "--eval_interval=2", "--eval_iters=1", "--batch_size=2", "--block_size=32", "--n_embd=32",
-           "--n_head=2", f"--data_dir={data_dir}", f"--out_dir={out}"]
+    cmd = [sys.executable, "train.py", "--model", "hybrid", "--dataset", "shakespeare",
+           "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--batch_size=2",
+           "--block_size=32", "--n_embd=32", "--n_head=2", f"--data_dir={data_dir}",
+           f"--out_dir={out}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     metrics = (out / "metrics.jsonl").read_text()
-    assert all(k in metrics for k in ("val_gdn_frac_l1", "val_skip_l1", "val_soft_loss", "val_flops_saved_hard"))
-    with pytest.raises(SystemExit) as bad:  # in this process: the same refusal, no second torch import
+    assert all(k in metrics for k in ("val_gdn_frac_l1", "val_skip_l1", "val_soft_loss",
+                                      "val_flops_saved_hard"))
+    # in this process: the same refusal, no second torch import
+    with pytest.raises(SystemExit) as bad:
         train.main(cmd[2:] + ["--pattern=G X R S"])
     err = capsys.readouterr().err
     assert bad.value.code == 2 and err.count("\n") == 1 and "unknown layer" in err

@@ -1,5 +1,6 @@
-"""Tests for tsa.py (Token-Selective Attention). Tiny configs (float64 for exactness tests, the `dev` matrix of
-tests/conftest.py for the model contract); the whole file runs in well under 60 s."""
+"""Tests for tsa.py (Token-Selective Attention). Tiny configs (float64 for exactness tests, the
+`dev` matrix of tests/conftest.py for the model contract); the whole file runs in well under
+60 s."""
 import dataclasses
 import io
 import json
@@ -26,8 +27,9 @@ def tiny(**kw):
 
 
 def make(seed=0, mixed=False, dtype=torch.float64, calib=None, **kw):
-    """mixed=True gives every router a known mix on the batch `calib` (default ids(B=4)): about half of its
-    tokens halt, in different numbers per row (asserted where it matters), with a margin around p = 0.5."""
+    """mixed=True gives every router a known mix on the batch `calib` (default ids(B=4)): about half
+    of its tokens halt, in different numbers per row (asserted where it matters), with a margin
+    around p = 0.5."""
     torch.manual_seed(seed)
     m = tsa.build(tiny(**kw)).to(dtype)
     if mixed:
@@ -35,8 +37,8 @@ def make(seed=0, mixed=False, dtype=torch.float64, calib=None, **kw):
             for r in getattr(m, "routers", []):
                 r.fc1.weight.normal_(0, 1.0)
                 r.fc2.weight.normal_(0, 4.0)
-            m.ln_f.weight.mul_(20)  # logits of O(1) and peaked attention, so that a wrong residual or a
-            for b in m.blocks:      # wrong K/V shows above bf16 tolerances
+            m.ln_f.weight.mul_(20)  # logits of O(1) and peaked attention, so that a wrong
+            for b in m.blocks:      # residual or a wrong K/V shows above bf16 tolerances
                 b.attn.c_attn.weight.mul_(8)
             if m.cfg.variant == "tsa":
                 calibrate(m, ids(B=4) if calib is None else calib)
@@ -44,8 +46,8 @@ def make(seed=0, mixed=False, dtype=torch.float64, calib=None, **kw):
 
 
 def calibrate(m, x):
-    """Router by router (later inputs depend on earlier decisions), put the threshold in the widest gap
-    between the 30% and 70% quantiles of the router's logits on x."""
+    """Router by router (later inputs depend on earlier decisions), put the threshold in the widest
+    gap between the 30% and 70% quantiles of the router's logits on x."""
     for r in m.routers:
         z = []
         hook = r.fc2.register_forward_hook(lambda mod, inp, out: z.append(out.flatten()))
@@ -70,9 +72,10 @@ def record_p(m):
 
 
 def agreeing_prefix(ps_a, ps_b):
-    """(B, T) mask of the positions before the first token whose hard decision differs between two passes
-    at any router; by causality, logits there must agree. ps_*: L−1 tensors (B, T, 1)."""
-    same = torch.stack([(a <= 0.5) == (b <= 0.5) for a, b in zip(ps_a, ps_b)]).all(0)[..., 0]  # (B, T)
+    """(B, T) mask of the positions before the first token whose hard decision differs between two
+    passes at any router; by causality, logits there must agree. ps_*: L−1 tensors (B, T, 1)."""
+    same = torch.stack([(a <= 0.5) == (b <= 0.5)
+                        for a, b in zip(ps_a, ps_b)]).all(0)[..., 0]  # (B, T)
     return same.int().cumprod(1).bool()
 
 
@@ -84,7 +87,7 @@ def assert_mixed(ps, rows_differ=True):
             assert len(set(halted.tolist())) > 1, "the rows must halt different numbers of tokens"
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The paper's formulas
 
 def test_router_parameter_count_paper():
@@ -101,7 +104,8 @@ def test_router_hidden_floor():
 
 
 def test_router_is_eq2():
-    """p = σ(W2 ReLU(W1 h + b1) + b2), computed here from the parameters, on inputs where ReLU matters."""
+    """p = σ(W2 ReLU(W1 h + b1) + b2), computed here from the parameters,
+    on inputs where ReLU matters."""
     torch.manual_seed(0)
     r = tsa.Router(32).double()
     torch.nn.init.normal_(r.fc1.bias, 0, 1.0)
@@ -112,7 +116,8 @@ def test_router_is_eq2():
     assert torch.allclose(r(h), ref, atol=1e-14, rtol=0)
     assert r(h).dtype == torch.float64 and r.float()(h.float()).dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert r(h.float()).dtype == torch.float32  # decisions in fp32 under autocast (numerics policy)
+        # decisions in fp32 under autocast (numerics policy)
+        assert r(h.float()).dtype == torch.float32
 
 
 def test_gate_extremes():
@@ -131,7 +136,8 @@ def test_gate_extremes():
         for b in m.blocks[1:]:
             ref = b(ref) if p_val == 0.0 else ref
         assert torch.equal(h, ref)
-    g = torch.zeros(2, 16, 1, dtype=torch.float64)  # one gated block with p = 0 vs common.Block: identical
+    # one gated block with p = 0 vs common.Block: identical
+    g = torch.zeros(2, 16, 1, dtype=torch.float64)
     y = x + (1 - g) * block.attn_delta(x)
     assert torch.equal(y + (1 - g) * block.ffn_delta(y), block(x))
 
@@ -139,18 +145,23 @@ def test_gate_extremes():
 def test_gates_hard_and_straight_through():
     p = torch.tensor([[[0.2], [0.7]]], dtype=torch.float64)
     assert torch.equal(make().gate(p, "hard"), torch.tensor([[[0.8], [0.0]]], dtype=torch.float64))
-    assert torch.equal(make(hard_variant="01").gate(p, "hard"), torch.tensor([[[1.0], [0.0]]], dtype=torch.float64))
-    for hv in ("scaled", "01"):  # straight-through: the hard value forward, exactly the soft gradient backward
+    assert torch.equal(make(hard_variant="01").gate(p, "hard"),
+                       torch.tensor([[[1.0], [0.0]]], dtype=torch.float64))
+    # straight-through: the hard value forward, exactly the soft gradient backward
+    for hv in ("scaled", "01"):
         m, pg = make(hard_variant=hv), p.clone().requires_grad_()
         g = m.gate(pg, "hard_st")
         assert torch.equal(g.detach(), m.gate(p, "hard"))
         g.sum().backward()
-        assert torch.equal(pg.grad, torch.full_like(p, -1.0))  # d(1 − p)/dp, for active and halted tokens
+        # d(1 − p)/dp, for active and halted tokens
+        assert torch.equal(pg.grad, torch.full_like(p, -1.0))
 
 
 def test_dense_init_matches_gpt_names():
-    """Blocks keep common.Model's parameter names, so --init_from a dense checkpoint loads every tensor."""
-    dense = common.Model(common.Config(n_layer=4, n_head=4, n_embd=32, block_size=32, vocab_size=50))
+    """Blocks keep common.Model's parameter names,
+    so --init_from a dense checkpoint loads every tensor."""
+    dense = common.Model(common.Config(n_layer=4, n_head=4, n_embd=32, block_size=32,
+                                       vocab_size=50))
     missing, unexpected = make().load_state_dict(dense.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("routers.") for k in missing)
 
@@ -165,16 +176,19 @@ def test_train_stats_alpha_and_tlops():
     assert torch.allclose(st["alpha"], alpha)
     assert torch.allclose(st["tlops_saved"], 1 - (1 + 3 * alpha) / 4)  # eq. (7), L = 4
     assert torch.allclose(loss, st["lm_loss"] + 1e-3 * alpha)           # eq. (5)
-    assert all(f"active_r{l}" in st for l in range(3)) and all(not v.requires_grad for v in st.values())
+    assert all(f"active_r{l}" in st for l in range(3)) and all(
+        not v.requires_grad for v in st.values())
     assert abs(common.tlops_saving(0.726, 6) - 0.228) < 1e-3  # the paper's Shakespeare point
 
 
 @pytest.mark.parametrize("hard_train", [False, True])
 def test_eval_stats(hard_train):
-    """Eval: loss = the hard (inference) loss; soft_loss = the soft training computation (eqs. 3–4) on the same
-    batch; alpha etc. from the hard pass with or without targets; skip/flops names of the common contract."""
+    """Eval: loss = the hard (inference) loss; soft_loss = the soft training computation (eqs. 3–4)
+    on the same batch; alpha etc. from the hard pass with or without targets; skip/flops names of
+    the common contract."""
     m = make(mixed=True)
-    m.hard_train = hard_train  # the soft loss is the soft pass even during the straight-through phase
+    # the soft loss is the soft pass even during the straight-through phase
+    m.hard_train = hard_train
     x, y = ids(), ids(seed=2)
     m.eval()
     with torch.no_grad():
@@ -184,8 +198,10 @@ def test_eval_stats(hard_train):
         m.train()
         m.hard_train = False
         soft_logits, _, st_train = m(x, y)
-    hard_loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # common.head: CE in fp32
-    assert torch.allclose(st["lm_loss"], hard_loss) and torch.allclose(loss.float(), hard_loss + st["depth_loss"].float())
+    # common.head: CE in fp32
+    hard_loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    assert torch.allclose(st["lm_loss"], hard_loss) and torch.allclose(
+        loss.float(), hard_loss + st["depth_loss"].float())
     assert torch.allclose(st["soft_loss"], st_train["lm_loss"], atol=1e-12)
     assert torch.allclose(st["soft_alpha"], st_train["alpha"], atol=1e-12)
     assert abs(st["soft_loss"] - st["lm_loss"]) > 1e-3  # soft and hard really differ here
@@ -196,9 +212,11 @@ def test_eval_stats(hard_train):
         assert torch.allclose(v, st[k]), k
     assert torch.allclose(st["alpha"], alpha) and torch.allclose(st["alpha_hard"], hard.mean())
     for i in (1, 2, 3):  # by block index: router l decides block l+1
-        assert torch.allclose(st[f"skip_l{i}"], 1 - hard[i - 1]) and torch.allclose(st[f"hard_r{i - 1}"], hard[i - 1])
+        assert torch.allclose(st[f"skip_l{i}"], 1 - hard[i - 1]) and torch.allclose(
+            st[f"hard_r{i - 1}"], hard[i - 1])
     assert "skip_l0" not in st and torch.allclose(st["skipped"], 1 - hard.mean())
-    flops = tsa.flops_per_token(m.cfg, 32, hard.mean(), "query") / common.dense_flops_per_token(m.cfg, 32)
+    flops = (tsa.flops_per_token(m.cfg, 32, hard.mean(), "query")
+             / common.dense_flops_per_token(m.cfg, 32))
     assert torch.allclose(st["flops_saved_hard"], 1 - flops)
 
 
@@ -206,8 +224,10 @@ def test_eval_stats(hard_train):
 @pytest.mark.parametrize("skip_queries", [False, True])
 @pytest.mark.parametrize("hard_variant", ["01", "scaled"])
 def test_sparse_equals_eval(dev, skip_queries, hard_variant, B):
-    """B=4 packs each query range's active queries into a (B, W) grid; B=1 is the identity packing (slices)."""
-    m = make(mixed=True, dtype=torch.float32, skip_queries=skip_queries, hard_variant=hard_variant).to(dev.device).eval()
+    """B=4 packs each query range's active queries into a (B, W) grid;
+    B=1 is the identity packing (slices)."""
+    m = make(mixed=True, dtype=torch.float32, skip_queries=skip_queries,
+             hard_variant=hard_variant).to(dev.device).eval()
     x = ids(B=4)[:B].to(dev.device)
     rec = record_p(m)
     with torch.no_grad(), dev.autocast():
@@ -232,8 +252,9 @@ def test_sparse_is_exact_in_fp64():
 
 
 def force_rows(m, rows):
-    """Forward hooks overriding every router's p per row: "halt" (p = 0.9), "run" (p = 0.1), or "mix" (the
-    router's own p, except that positions < 9 halt, so a mixed row's first query range of three is empty)."""
+    """Forward hooks overriding every router's p per row: "halt" (p = 0.9), "run" (p = 0.1), or
+    "mix" (the router's own p, except that positions < 9 halt, so a mixed row's first query range of
+    three is empty)."""
     def hook(mod, inp, p):
         p = p.clone()
         for b, r in enumerate(rows):
@@ -245,10 +266,11 @@ def force_rows(m, rows):
     return [r.register_forward_hook(hook) for r in m.routers]
 
 
-@pytest.mark.parametrize("rows", [["mix"], ["halt"], ["run"], ["halt", "run", "mix"], ["mix", "halt", "mix"]])
+@pytest.mark.parametrize("rows", [["mix"], ["halt"], ["run"], ["halt", "run", "mix"],
+                                  ["mix", "halt", "mix"]])
 def test_sparse_rows_exact(rows):
-    """The sparse path in float64 against the dense eval forward: B=1, rows whose every token halts / runs / mixes
-    in one batch, at T=29 (the first 9 positions of a mixed row halt)."""
+    """The sparse path in float64 against the dense eval forward: B=1, rows whose every token
+    halts / runs / mixes in one batch, at T=29 (the first 9 positions of a mixed row halt)."""
     m = make(mixed=True).eval()
     force_rows(m, rows)
     x = ids(B=len(rows), T=29)
@@ -273,7 +295,8 @@ def test_sparse_all_halted_and_all_active():
 
 @pytest.mark.parametrize("mode", ["train", "eval", "sparse", "hard_train", "early_exit"])
 def test_causality(dev, mode):
-    m = make(mixed=True, dtype=torch.float32, variant="early_exit" if mode == "early_exit" else "tsa",
+    m = make(mixed=True, dtype=torch.float32,
+             variant="early_exit" if mode == "early_exit" else "tsa",
              threshold=0.05 if mode == "early_exit" else 1.0).to(dev.device)
     m.train(mode in ("train", "hard_train"))
     m.hard_train = mode == "hard_train"
@@ -288,15 +311,15 @@ def test_causality(dev, mode):
     assert not torch.allclose(a[:, 20:], b[:, 20:])  # ... and the future did change
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Cached decoding (prefill/step) == the full eval forward
 
 @pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("hard_variant", ["01", "scaled"])
 def test_cached_decode_equals_forward(dev, hard_variant, B):
-    """Every prefix: prefill/step logits == self(idx[:, :n])[0][:, -1] (eval, dense-hard), with halted and
-    active tokens in a mixed batch. Under bf16, positions after a decision flipped at the threshold are
-    skipped (causality makes the earlier ones comparable)."""
+    """Every prefix: prefill/step logits == self(idx[:, :n])[0][:, -1] (eval, dense-hard), with
+    halted and active tokens in a mixed batch. Under bf16, positions after a decision flipped at the
+    threshold are skipped (causality makes the earlier ones comparable)."""
     m = make(mixed=True, dtype=torch.float32, hard_variant=hard_variant).to(dev.device).eval()
     x = ids(B=3)[:B].to(dev.device)
     rec = record_p(m)
@@ -310,7 +333,8 @@ def test_cached_decode_equals_forward(dev, hard_variant, B):
             logits, state = m.step(x[:, t:t + 1], state)
             got.append(logits.float())
     assert_mixed(ps_full, rows_differ=B > 1)
-    ps_cached = [torch.cat([rec[l]] + rec[3 + l::3], dim=1) for l in range(3)]  # prefill (B, 8), then one per step
+    # prefill (B, 8), then one per step
+    ps_cached = [torch.cat([rec[l]] + rec[3 + l::3], dim=1) for l in range(3)]
     ok = agreeing_prefix(ps_full, ps_cached)[:, 7:]
     assert ok.all() if not dev.low else ok.float().mean() > 0.5
     atol, rtol = dev.tol()
@@ -324,7 +348,8 @@ def test_cached_decode_equals_forward(dev, hard_variant, B):
 
 @pytest.mark.parametrize("B", [1, 3])
 def test_cached_decode_exact_fp64_and_preallocated(B):
-    """B=1: a step either runs a routed block or (the token halts) only writes its K/V; B=3: mixed batches."""
+    """B=1: a step either runs a routed block or (the token halts) only writes its K/V;
+    B=3: mixed batches."""
     m = make(mixed=True, skip_queries=False).eval()
     x = ids(B=3)[:B]
     rec = record_p(m)
@@ -334,8 +359,10 @@ def test_cached_decode_exact_fp64_and_preallocated(B):
         for t in range(5, 32):
             assert torch.allclose(logits, m(x[:, :t])[0][:, -1], atol=1e-12, rtol=0)
             logits, state = m.step(x[:, t:t + 1], state)
-    assert [c.k.data_ptr() for c in state[0]] == storage and state[0][0].k.size(2) == 32  # no growth
-    steps = torch.cat([p.flatten() for p in rec if p.size(1) == 1])  # every step's decisions, all routers
+    # no growth
+    assert [c.k.data_ptr() for c in state[0]] == storage and state[0][0].k.size(2) == 32
+    # every step's decisions, all routers
+    steps = torch.cat([p.flatten() for p in rec if p.size(1) == 1])
     assert (steps > 0.5).any() and (steps <= 0.5).any()  # both branches of decode_block ran
 
 
@@ -350,7 +377,8 @@ def window_start(n, block_size):
 def test_generate_cached_equals_uncached_past_block_size(variant):
     m = make(mixed=True, dtype=torch.float32, variant=variant, threshold=0.05).eval()
     prompt = ids(B=2, T=5)
-    a = m.generate(prompt, 60, temperature=0, use_cache=True)   # 65 tokens > block_size 32: the window restarts
+    # 65 tokens > block_size 32: the window restarts
+    a = m.generate(prompt, 60, temperature=0, use_cache=True)
     b = m.generate(prompt, 60, temperature=0, use_cache=False)
     assert torch.equal(a, b)
     ref = prompt  # and both are the cache-free window policy, written out
@@ -363,8 +391,9 @@ def test_generate_cached_equals_uncached_past_block_size(variant):
 
 @pytest.mark.parametrize("B", [1, 2])
 def test_decode_step_skips_the_work_of_halted_tokens(B):
-    """A step of an all-halted batch (B=1: the token halts) runs only the stem, the routers, Q/K/V (one GEMM: the
-    cache needs K/V) and the head (FLOP counter): no attention, out-projection or FFN."""
+    """A step of an all-halted batch (B=1: the token halts) runs only the stem, the routers, Q/K/V
+    (one GEMM: the cache needs K/V) and the head (FLOP counter):
+    no attention, out-projection or FFN."""
     m = make().eval()
     d, V, L = 32, 50, 4
     kv, rest = 3 * 2 * d * d, 2 * d * d + 2 * 2 * d * 4 * d  # Q/K/V; out-proj + FFN
@@ -375,22 +404,25 @@ def test_decode_step_skips_the_work_of_halted_tokens(B):
             _, state = m.prefill(ids(B=B, T=6))
             with FlopCounterMode(display=False) as fc:
                 m.step(ids(B=B, T=1), state)
-        assert fc.get_total_flops() == B * (kv + rest + (L - 1) * (routed + tsa.flops_router(d)) + 2 * d * V)
+        assert fc.get_total_flops() == B * (kv + rest + (L - 1) * (routed + tsa.flops_router(d))
+                                            + 2 * d * V)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # With biases, at the tie p = 0.5, and the accounting at known shares
 
 @pytest.mark.parametrize("skip_queries", [False, True])
 @pytest.mark.parametrize("hard_variant", ["01", "scaled"])
 def test_contracts_with_bias(skip_queries, hard_variant):
-    """bias=True (nonzero biases everywhere): sparse == dense-hard, and cached decoding == the full forward at
-    B=1 and in a mixed B=3 batch, in float64. A bias shows where a gate is applied before a linear layer instead
-    of to its output, or where a halted token's (zero) update still goes through a biased layer."""
+    """bias=True (nonzero biases everywhere): sparse == dense-hard, and cached decoding == the full
+    forward at B=1 and in a mixed B=3 batch, in float64. A bias shows where a gate is applied before
+    a linear layer instead of to its output, or where a halted token's (zero) update still goes
+    through a biased layer."""
     m = make(mixed=True, bias=True, skip_queries=skip_queries, hard_variant=hard_variant)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if name.endswith("bias") and not name.endswith("fc2.bias"):  # keep the calibrated routing
+            # keep the calibrated routing
+            if name.endswith("bias") and not name.endswith("fc2.bias"):
                 p.normal_(0, 0.5)
         calibrate(m, ids(B=4))
     m.eval()
@@ -412,9 +444,10 @@ def test_contracts_with_bias(skip_queries, hard_variant):
 
 @pytest.mark.parametrize("hard_variant", ["01", "scaled"])
 def test_tie_p_exactly_half_runs_the_block(hard_variant):
-    """Ours (declared; the authors' MLX code halts it): p = 0.5 exactly runs the block, as p > 0.5 halts (§3.6).
-    With every router at σ(0) = 0.5, the eval forward, the sparse forward and cached decoding ("01") equal the
-    dense GPT with the same weights, and the stats count every token as active."""
+    """Ours (declared; the authors' MLX code halts it): p = 0.5 exactly runs the block, as p > 0.5
+    halts (§3.6). With every router at σ(0) = 0.5, the eval forward, the sparse forward and
+    cached decoding ("01") equal the dense GPT with the same weights, and the stats count every
+    token as active."""
     m = make(hard_variant=hard_variant).eval()
     with torch.no_grad():
         for r in m.routers:
@@ -423,7 +456,8 @@ def test_tie_p_exactly_half_runs_the_block(hard_variant):
     p = torch.full((1, 2, 1), 0.5, dtype=torch.float64)
     assert torch.equal(m.gate(p, "hard"), torch.full_like(p, 1.0 if hard_variant == "01" else 0.5))
     x = ids(B=2)
-    dense = common.Model(common.Config(n_layer=4, n_head=4, n_embd=32, block_size=32, vocab_size=50)).double()
+    dense = common.Model(common.Config(n_layer=4, n_head=4, n_embd=32, block_size=32,
+                                       vocab_size=50)).double()
     dense.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("routers.")})
     dense.eval()
     with torch.no_grad():
@@ -443,17 +477,20 @@ def test_tie_p_exactly_half_runs_the_block(hard_variant):
             assert torch.allclose(out, ref[:, -out.size(1):], atol=1e-12, rtol=0)
     else:  # every block runs at half its update: not the GPT, and the three paths agree
         assert not torch.allclose(hard, ref)
-        assert torch.allclose(sparse, hard, atol=1e-12, rtol=0) and torch.allclose(got, hard[:, 4:], atol=1e-12)
+        assert torch.allclose(sparse, hard, atol=1e-12, rtol=0) and torch.allclose(
+            got, hard[:, 4:], atol=1e-12)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
 def test_accounting_at_known_shares(sparse):
-    """B=2, T=8, routing forced per router: r0 halts every 4th token (3/4 run), r1 halts row 0 (1/2), r2 halts
-    odd positions (1/2). Stats against numbers computed here by hand: hard_r, α_hard = 7/12, skipped, eq. (7)'s
-    TLOps, and the FLOPs saved (d=32, L=4, V=50, T=8: mean context 4.5)."""
+    """B=2, T=8, routing forced per router: r0 halts every 4th token (3/4 run), r1 halts row 0
+    (1/2), r2 halts odd positions (1/2). Stats against numbers computed here by hand: hard_r,
+    α_hard = 7/12, skipped, eq. (7)'s TLOps, and the FLOPs saved (d=32, L=4, V=50, T=8: mean
+    context 4.5)."""
     m = make().eval()
     t = torch.arange(8)
-    halt = [torch.stack([t % 4 == 0] * 2), torch.stack([t >= 0, t < 0]), torch.stack([t % 2 == 1] * 2)]
+    halt = [torch.stack([t % 4 == 0] * 2), torch.stack([t >= 0, t < 0]),
+            torch.stack([t % 2 == 1] * 2)]
 
     def force(l):
         return lambda mod, inp, p: torch.where(halt[l][..., None], 0.9, 0.1).to(p.dtype)
@@ -465,18 +502,21 @@ def test_accounting_at_known_shares(sparse):
     assert [st[f"skip_l{l}"].item() for l in (1, 2, 3)] == [0.25, 0.5, 0.5]
     assert st["alpha_hard"].item() == pytest.approx(7 / 12, abs=1e-15)
     assert st["skipped"].item() == pytest.approx(5 / 12, abs=1e-15)
-    assert st["tlops_saved_hard"].item() == pytest.approx((1 - 7 / 12) * 3 / 4, abs=1e-15)  # eq. (7)
+    # eq. (7)
+    assert st["tlops_saved_hard"].item() == pytest.approx((1 - 7 / 12) * 3 / 4, abs=1e-15)
     d, V = 32, 50
     block = 6 * d * d + 2 * d * d + 4 * d * 4.5 + 16 * d * d  # Q/K/V, out-proj, scores, FFN
-    routed = 4 * d * d + 2 * d * d + 7 / 12 * (2 * d * d + 4 * d * 4.5 + 16 * d * d) + 2 * (d * 16 + 16)
+    routed = (4 * d * d + 2 * d * d + 7 / 12 * (2 * d * d + 4 * d * 4.5 + 16 * d * d)
+              + 2 * (d * 16 + 16))
     dense = 4 * block + 2 * d * V
-    assert st["flops_saved_hard"].item() == pytest.approx(1 - (block + 3 * routed + 2 * d * V) / dense, abs=1e-12)
+    assert st["flops_saved_hard"].item() == pytest.approx(
+        1 - (block + 3 * routed + 2 * d * V) / dense, abs=1e-12)
 
 
 def test_cli_refuses_before_any_work(tmp_path, capsys):
-    """python tsa.py: --help prints what it takes; no/unknown arguments and a run of another model are refused
-    (NanorouteError), the wrong model from its checkpoint alone; as a command (one real subprocess), that is one
-    `error:` line on stderr and exit 2, no traceback."""
+    """python tsa.py: --help prints what it takes; no/unknown arguments and a run of another model
+    are refused (NanorouteError), the wrong model from its checkpoint alone; as a command (one real
+    subprocess), that is one `error:` line on stderr and exit 2, no traceback."""
     cfg = common.Config(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=50)
     common.save_checkpoint(str(tmp_path / "ckpt.pt"), model=common.Model(cfg).state_dict(),
                            config=dataclasses.asdict(cfg))
@@ -495,18 +535,20 @@ def test_cli_refuses_before_any_work(tmp_path, capsys):
     for args in (["--help"], ["-h"], ["exit_sweep", "--help"]):
         tsa.main(args)
         assert capsys.readouterr().out.startswith("usage: python tsa.py exit_sweep RUN_DIR: ")
-    r = subprocess.run([sys.executable, "tsa.py", "exit_sweep", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    r = subprocess.run([sys.executable, "tsa.py", "exit_sweep", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert (r.returncode == 2 and r.stderr.startswith("error: ")
+            and r.stderr.count("\n") == 1), r.stderr
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Training
 
 @pytest.mark.parametrize("hard", [False, True])
 def test_training_step(dev, hard):
-    """One finite step under the device's autocast; the task loss alone (λ = 0) reaches every router, also
-    through the straight-through estimator."""
+    """One finite step under the device's autocast; the task loss alone (λ = 0) reaches every
+    router, also through the straight-through estimator."""
     m = make(mixed=hard, dtype=torch.float32, lam=0.0).to(dev.device).train()
     m.hard_train = hard
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -523,8 +565,8 @@ def test_training_step(dev, hard):
 
 
 def test_lambda_pushes_routers_to_halt():
-    """∂L_depth/∂b2 > 0 pushes p up: with only the depth loss, a step on b2 raises p. Eq. (2) reads h
-    with no stop-gradient: L_depth also reaches the stem, through every router's input."""
+    """∂L_depth/∂b2 > 0 pushes p up: with only the depth loss, a step on b2 raises p. Eq. (2) reads
+    h with no stop-gradient: L_depth also reaches the stem, through every router's input."""
     m = make(lam=1.0)
     m.train()
     _, loss, st = m(ids(), ids())
@@ -542,13 +584,16 @@ def test_on_step_hard_phase():
     assert not m.hard_train
     m.on_step(90)
     assert m.hard_train
-    m = make(max_iters=100, hard_ft_iters=500)  # longer than the run: every iteration is straight-through
+    # longer than the run: every iteration is straight-through
+    m = make(max_iters=100, hard_ft_iters=500)
     m.on_step(0)
     assert m.hard_train
-    m = make(max_iters=100, hard_ft_iters=10, hard_ft_routers="soft", hard_ft_lr=1e-2)  # the control: lr only
+    # the control: lr only
+    m = make(max_iters=100, hard_ft_iters=10, hard_ft_routers="soft", hard_ft_lr=1e-2)
     m.on_step(95)
     assert not m.hard_train and m.lr_at(95) > m.cfg.learning_rate
-    m2 = make(mixed=True, max_iters=100, hard_ft_iters=10)  # the hard phase's forward == the hard eval forward
+    # the hard phase's forward == the hard eval forward
+    m2 = make(mixed=True, max_iters=100, hard_ft_iters=10)
     m2.on_step(95)
     m2.train()
     x = ids()
@@ -560,26 +605,31 @@ def test_on_step_hard_phase():
 
 
 def test_hard_phase_lr_restarts(data_dir, tmp_path):
-    """hard_ft_lr > 0: the phase's lr restarts at hard_ft_lr and falls by a cosine to min_lr; before the phase (and
-    with hard_ft_lr = 0 everywhere) it is the common schedule. train.py must use it: the logged lr is checked."""
+    """hard_ft_lr > 0: the phase's lr restarts at hard_ft_lr and falls by a cosine to min_lr; before
+    the phase (and with hard_ft_lr = 0 everywhere) it is the common schedule. train.py must use it:
+    the logged lr is checked."""
     kw = dict(max_iters=8, hard_ft_iters=4, learning_rate=1e-3, min_lr=1e-4, warmup_iters=2)
     plain, m = make(**kw), make(**kw, hard_ft_lr=1e-2)
     assert [plain.lr_at(it) for it in range(9)] == [common.lr_at(it, plain.cfg) for it in range(9)]
     assert [m.lr_at(it) for it in range(4)] == [common.lr_at(it, m.cfg) for it in range(4)]
-    assert m.lr_at(4) == 1e-2 and m.lr_at(6) == pytest.approx((1e-2 + 1e-4) / 2) and m.lr_at(8) == pytest.approx(1e-4)
+    assert (m.lr_at(4) == 1e-2 and m.lr_at(6) == pytest.approx((1e-2 + 1e-4) / 2)
+            and m.lr_at(8) == pytest.approx(1e-4))
     import train
-    train.main(["--model", "tsa", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=2", "--n_embd=32",
-                "--n_head=2", "--block_size=32", "--batch_size=2", "--eval_iters=1", "--eval_interval=8",
-                "--log_interval=1", *(f"--{k}={v}" for k, v in kw.items()), "--hard_ft_lr=1e-2"])
-    logged = [r["lr"] for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["kind"] == "train"]
+    train.main(["--model", "tsa", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=2",
+                "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2", "--eval_iters=1",
+                "--eval_interval=8", "--log_interval=1", *(f"--{k}={v}" for k, v in kw.items()),
+                "--hard_ft_lr=1e-2"])
+    logged = [r["lr"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))
+              if r["kind"] == "train"]
     assert logged == pytest.approx([m.lr_at(it) for it in range(8)])
 
 
 def test_frozen_routers_get_no_update():
-    """hard_ft_routers="frozen": in the straight-through phase the routers receive no gradient, so AdamW leaves them
-    exactly as they were (no momentum step, no weight decay) while the backbone trains on their hard
-    decisions; before the phase they train as usual."""
-    m = make(mixed=True, dtype=torch.float32, max_iters=6, hard_ft_iters=3, hard_ft_routers="frozen", lam=0.1).train()
+    """hard_ft_routers="frozen": in the straight-through phase the routers receive no gradient, so
+    AdamW leaves them exactly as they were (no momentum step, no weight decay) while the backbone
+    trains on their hard decisions; before the phase they train as usual."""
+    m = make(mixed=True, dtype=torch.float32, max_iters=6, hard_ft_iters=3,
+             hard_ft_routers="frozen", lam=0.1).train()
     opt = common.make_optimizer(m, m.cfg, torch.device("cpu"))
     x = ids()
     snap = lambda mod: [p.detach().clone() for p in mod.parameters()]  # noqa: E731
@@ -602,9 +652,10 @@ def test_frozen_routers_get_no_update():
 
 
 def test_calibrated_routers_halt_what_the_soft_gate_claims():
-    """hard_ft_routers="calibrate": at the first straight-through step, each router's b2 moves so that p > 0.5
-    for the share of tokens equal to its soft mean p on that batch (computed layer by layer on the same
-    inputs); afterwards the routers are frozen, and later steps (or a resumed run) do not move them again."""
+    """hard_ft_routers="calibrate": at the first straight-through step, each router's b2 moves so
+    that p > 0.5 for the share of tokens equal to its soft mean p on that batch (computed layer by
+    layer on the same inputs); afterwards the routers are frozen, and later steps (or a resumed run)
+    do not move them again."""
     m = make(dtype=torch.float32, max_iters=6, hard_ft_iters=3, hard_ft_routers="calibrate").train()
     x = ids(B=4)
     b_old = [r.fc2.bias.detach().clone() for r in m.routers]
@@ -616,7 +667,8 @@ def test_calibrated_routers_halt_what_the_soft_gate_claims():
         b_new = [r.fc2.bias.detach().clone() for r in m.routers]
         ps = m.trunk(m.embed(x), "hard_st")[1]  # the same inputs per router as the calibrating pass
     for p, a, b in zip(ps, b_old, b_new):
-        claimed = torch.sigmoid(torch.logit(p, eps=1e-6) - (b - a)).mean()  # soft mean p before the shift
+        # soft mean p before the shift
+        claimed = torch.sigmoid(torch.logit(p, eps=1e-6) - (b - a)).mean()
         assert 0.15 < claimed < 0.45 and abs((p > 0.5).float().mean() - claimed) <= 1.5 / p.numel()
     for it in (4, 5):
         m.on_step(it)
@@ -627,10 +679,13 @@ def test_calibrated_routers_halt_what_the_soft_gate_claims():
 
 @pytest.mark.parametrize("share", [0.5, 0.8])
 def test_exec_share_sets_the_active_share(share):
-    """exec_share=S: the calibration step shifts each router's b2 to the quantile S of its logits on that batch,
-    so a share S of the token-layers stays active (p <= 0.5) there, whatever the soft gate claims."""
-    m = make(dtype=torch.float32, max_iters=6, hard_ft_iters=3, hard_ft_routers="calibrate", exec_share=share).train()
-    with torch.no_grad():  # spread the logits (at init they differ by ~1e-6, fp32's resolution of logit(p))
+    """exec_share=S: the calibration step shifts each router's b2 to the quantile S of its logits
+    on that batch, so a share S of the token-layers stays active (p <= 0.5) there, whatever the
+    soft gate claims."""
+    m = make(dtype=torch.float32, max_iters=6, hard_ft_iters=3, hard_ft_routers="calibrate",
+             exec_share=share).train()
+    # spread the logits (at init they differ by ~1e-6, fp32's resolution of logit(p))
+    with torch.no_grad():
         for r in m.routers:
             r.fc2.weight.normal_(0, 1.0)
     x = ids(B=4)
@@ -642,11 +697,12 @@ def test_exec_share_sets_the_active_share(share):
     assert (active - share).abs().max() <= 0.01 and abs(active.mean() - share) <= 0.01
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Early-exit baseline (§3.5)
 
 def reference_early_exit(m, x, thr):
-    """Slow per-token reference of the §3.5 inference: frozen exited tokens, logits from the exit head."""
+    """Slow per-token reference of the §3.5 inference:
+    frozen exited tokens, logits from the exit head."""
     h = m.embed(x)
     B, T, _ = h.shape
     exited = [[None] * T for _ in range(B)]
@@ -659,7 +715,8 @@ def reference_early_exit(m, x, thr):
         logits = m.lm_head(m.exit_norm(l)(h))
         for b in range(B):
             for t in range(T):
-                if exited[b][t] is None and (l == len(m.blocks) - 1 or logits[b, t].softmax(-1).max() > thr):
+                if exited[b][t] is None and (l == len(m.blocks) - 1
+                                             or logits[b, t].softmax(-1).max() > thr):
                     exited[b][t] = logits[b, t].clone()
     return torch.stack([torch.stack(r) for r in exited])
 
@@ -674,18 +731,21 @@ def test_early_exit_frozen_state():
         x = ids(B=2)
         full = m(x)[0]
         conf0 = m.lm_head(m.exit_norm(0)(m.blocks[0](m.embed(x)))).softmax(-1).amax(-1)
-        for thr in conf0.quantile(torch.tensor([0.3, 0.7], dtype=conf0.dtype)).tolist():  # some exit, some not
+        # some exit, some not
+        for thr in conf0.quantile(torch.tensor([0.3, 0.7], dtype=conf0.dtype)).tolist():
             m.threshold = thr
             out, _, st = m(x)
             assert 0 < st["alpha"] < 1
             assert torch.allclose(out, reference_early_exit(m, x, thr), atol=1e-10)
             assert not torch.allclose(out, full)
-            m_map = m.routing_map(x[:1])[0][1:]  # (L−1, T): an exited token never runs a later block
+            # (L−1, T): an exited token never runs a later block
+            m_map = m.routing_map(x[:1])[0][1:]
             assert torch.all(m_map[1:] <= m_map[:-1])
         m.threshold = 1.0  # never exits: the plain model's last exit
         out, _, st = m(x)
         assert st["alpha"] == 1 and torch.equal(out, full)
-        m.exit_ln[1].weight.zero_()  # exit head 1 is uniform: a token exited at 0 would "un-exit" there
+        # exit head 1 is uniform: a token exited at 0 would "un-exit" there
+        m.exit_ln[1].weight.zero_()
         m.threshold = conf0.median().item()
         out, _, st = m(x)
         assert torch.allclose(st["hard_r1"], st["hard_r0"]) and 0 < st["hard_r0"] < 1
@@ -724,36 +784,42 @@ def test_early_exit_trains_on_every_exit():
     assert all(ln.weight.grad.abs().sum() > 0 for ln in m.exit_ln)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Compute accounting
 
 def test_flops_golden_paper_size():
-    """Hand-computed, d=256, L=6, V=65, T=256 (mean context 128.5), α=0.5: per token, forward, ×2 per MAC.
-    K/V 4d² = 262,144; Q 2d² = 131,072; out-proj 131,072; scores 4·d·128.5 = 131,584; FFN 16d² = 1,048,576;
-    head 2dV = 33,280; router 2(d·64 + 64) = 32,896. Stem = all of a block: 1,704,448."""
+    """Hand-computed, d=256, L=6, V=65, T=256 (mean context 128.5), α=0.5: per token, forward,
+    ×2 per MAC. K/V 4d² = 262,144; Q 2d² = 131,072; out-proj 131,072; scores 4·d·128.5 = 131,584;
+    FFN 16d² = 1,048,576; head 2dV = 33,280; router 2(d·64 + 64) = 32,896. Stem = all of a block:
+    1,704,448."""
     cfg = tiny(n_embd=256, n_head=8, n_layer=6, block_size=256, vocab_size=65)
-    assert tsa.flops_per_token(cfg, 256, mode="dense") == common.dense_flops_per_token(cfg, 256) == 6 * 1_704_448 + 33_280
+    assert (tsa.flops_per_token(cfg, 256, mode="dense") == common.dense_flops_per_token(cfg, 256)
+            == 6 * 1_704_448 + 33_280)
     # query: Q/K/V of every token (one GEMM), the rest of the block for the active half
-    assert tsa.flops_per_token(cfg, 256, 0.5, "query") == 1_704_448 + 5 * (393_216 + 0.5 * 1_311_232 + 32_896) + 33_280
-    assert tsa.flops_per_token(cfg, 256, 0.5, "ffn") == 1_704_448 + 5 * (655_872 + 0.5 * 1_048_576 + 32_896) + 33_280
+    assert (tsa.flops_per_token(cfg, 256, 0.5, "query")
+            == 1_704_448 + 5 * (393_216 + 0.5 * 1_311_232 + 32_896) + 33_280)
+    assert (tsa.flops_per_token(cfg, 256, 0.5, "ffn")
+            == 1_704_448 + 5 * (655_872 + 0.5 * 1_048_576 + 32_896) + 33_280)
     assert tsa.flops_per_token(cfg, 256, 1.0, "soft") == 6 * 1_704_448 + 5 * 32_896 + 33_280
 
 
 @pytest.mark.parametrize("skip_queries", [False, True])
 def test_flops_accounting_matches_the_sparse_path(skip_queries):
-    """The matmul FLOPs the sparse path really executes (torch's FLOP counter) == the accounting's, at the
-    measured hard α (the counter does not see SDPA, so the attention-score term is left out)."""
+    """The matmul FLOPs the sparse path really executes (torch's FLOP counter) == the
+    accounting's, at the measured hard α (the counter does not see SDPA, so the attention-score
+    term is left out)."""
     m = make(mixed=True, skip_queries=skip_queries).eval()
     x = ids(B=4)
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
         _, _, st = m(x, sparse=True)
     a, d, T = st["alpha_hard"].item(), 32, 32
-    scores = common.flops_attn_scores(d, common.mean_context(T)) * (1 + 3 * (a if skip_queries else 1.0))
+    scores = (common.flops_attn_scores(d, common.mean_context(T))
+              * (1 + 3 * (a if skip_queries else 1.0)))
     expect = tsa.flops_per_token(m.cfg, T, a, "query" if skip_queries else "ffn") - scores
     assert 0.1 < a < 0.9 and fc.get_total_flops() == pytest.approx(expect * 4 * T, rel=1e-9)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Routing map, presets, CLI
 
 @pytest.mark.parametrize("variant", ["tsa", "early_exit"])
@@ -768,15 +834,19 @@ def test_routing_map(variant):
     assert torch.equal(m.routing_map(x)[0], mp) and not m.training  # the mode is restored
     with torch.no_grad():
         st = m(x)[2]
-    assert torch.allclose(mp[1:].mean(1), torch.stack([1 - st[f"skip_l{i}"] for i in (1, 2, 3)]).float())
+    assert torch.allclose(mp[1:].mean(1),
+                          torch.stack([1 - st[f"skip_l{i}"] for i in (1, 2, 3)]).float())
 
 
 def test_presets():
     assert tsa.PRESETS["classroom"].items() >= common.CLASSROOM.items()
-    paper = tsa.Config(**tsa.PRESETS["paper"])  # the paper's sparse-TSA and dropout; our calibrated last 15%
+    # the paper's sparse-TSA and dropout; our calibrated last 15%
+    paper = tsa.Config(**tsa.PRESETS["paper"])
     assert (paper.hard_variant, paper.skip_queries, paper.dropout) == ("01", False, 0.1)
-    assert (paper.hard_ft_iters, paper.hard_ft_routers, paper.hard_ft_lr) == (750, "calibrate", paper.learning_rate)
-    assert (paper.n_layer, paper.n_embd, paper.n_head, paper.batch_size, paper.max_iters) == (6, 256, 8, 64, 5000)
+    assert (paper.hard_ft_iters, paper.hard_ft_routers, paper.hard_ft_lr) == (
+        750, "calibrate", paper.learning_rate)
+    assert (paper.n_layer, paper.n_embd, paper.n_head, paper.batch_size, paper.max_iters) == (
+        6, 256, 8, 64, 5000)
 
 
 BAD_CONFIGS = [  # (field=value, the exact refusal: one line, naming the field and the rule)
@@ -820,16 +890,17 @@ def test_cli_smoke(data_dir, tmp_path, capsys, monkeypatch):
     its threshold sweep in-process (same code path, without paying another torch import on a busy
     machine): the sweep reads the run's data_dir (not ./data), flushes each row as measured."""
     out = tmp_path / "run"
-    args = ["--model", "tsa", "--dataset", "shakespeare", "--max_iters=2", "--n_layer=2", "--n_embd=32",
-            "--n_head=2", "--block_size=32", "--batch_size=4", "--eval_iters=1", "--eval_interval=2",
-            "--hard_ft_iters=1", f"--data_dir={data_dir}"]
-    r = subprocess.run([sys.executable, "train.py", *args, f"--out_dir={out}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = ["--model", "tsa", "--dataset", "shakespeare", "--max_iters=2", "--n_layer=2",
+            "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=4", "--eval_iters=1",
+            "--eval_interval=2", "--hard_ft_iters=1", f"--data_dir={data_dir}"]
+    r = subprocess.run([sys.executable, "train.py", *args, f"--out_dir={out}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     ev = [e for e in rec if e["kind"] == "eval"][-1]
-    for k in ("val_loss", "val_soft_loss", "val_alpha", "val_alpha_hard", "val_tlops_saved_hard", "val_skipped",
-              "val_skip_l1", "val_flops_saved_hard", "val_active_r0"):
+    for k in ("val_loss", "val_soft_loss", "val_alpha", "val_alpha_hard", "val_tlops_saved_hard",
+              "val_skipped", "val_skip_l1", "val_flops_saved_hard", "val_active_r0"):
         assert k in ev, k
     import train
     train.main(args + [f"--out_dir={tmp_path / 'ee'}", "--variant=early_exit"])
