@@ -5,6 +5,7 @@ the point (signals, torchrun)."""
 import dataclasses
 import html
 import json
+import math
 import os
 import runpy
 import shlex
@@ -74,6 +75,14 @@ def drop_a_weight(out):
     """A checkpoint whose weights miss one tensor its own config makes."""
     ckpt = common.load_checkpoint(str(out / "ckpt.pt"))
     ckpt["model"].pop(next(iter(ckpt["model"])))
+    torch.save(ckpt, out / "ckpt.pt")
+    return out
+
+
+def narrow_wte(out):
+    """A checkpoint whose token embedding is half as wide as its config says."""
+    ckpt = common.load_checkpoint(str(out / "ckpt.pt"))
+    ckpt["model"]["wte.weight"] = ckpt["model"]["wte.weight"][:, :8].clone()
     torch.save(ckpt, out / "ckpt.pt")
     return out
 
@@ -213,7 +222,16 @@ TRAIN_CASES = {
                        "choose one of classroom, paper, gpu"),
     "init_from a routed run": (["--init_from={data}/../tsa/ckpt.pt", "--n_layer=2"],
                                lambda r, t, m: copy_run(r, t, "tsa") and None,
-                               "/tsa/ckpt.pt has weights --model gpt lacks: ['"),
+                               "/tsa/ckpt.pt has weights --model gpt lacks: ['routers.0.fc1.weight"
+                               "', 'routers.0.fc1.bias', 'routers.0.fc2.weight']"),
+    "init_from a weight of another shape": (
+        ["--init_from={data}/../gpt/ckpt.pt"], lambda r, t, m: narrow_wte(copy_run(r, t)) and None,
+        "/gpt/ckpt.pt does not fit --model gpt: size mismatch for wte.weight: copying a param with "
+        "shape torch.Size([65, 8]) from checkpoint"),
+    "compile refused here": (
+        ["--model=dtrnet", "--n_layer=3", "--compile=true"],
+        lambda r, t, m: m.setattr(__import__("dtrnet"), "COMPILE_REFUSED", {"cpu": "planted"}),
+        "error: --compile is refused for --model dtrnet on cpu: planted"),
     "init_from a log": (["--init_from={data}/shakespeare/meta.json"], None,
                         "meta.json is corrupt or not a nanoroute checkpoint (UnpicklingError)"),
     "a leftover RANK": ([], lambda r, t, m: [m.delenv(k, raising=False) for k in (
@@ -726,10 +744,12 @@ def test_resume_of_a_copy_run_by_its_folder_and_what_may_change(runs, tmp_path):
     assert {k: getattr(cfg, k) for k in changed} == changed
 
 
-def test_init_from_a_run_says_what_came_from_it_and_refuses_a_given_value(runs, tmp_path, capsys):
+def test_init_from_a_run_says_what_came_from_it_and_refuses_a_given_value(runs, tmp_path, capsys,
+                                                                          monkeypatch):
     """--n_layer=6 is the default, but given it is asked for: refused, not silently replaced by the
-    checkpoint's 1; left out, the checkpoint's sizes are taken and named in one line."""
-    ckpt = runs / "gpt" / "ckpt.pt"
+    checkpoint's 1; left out, the checkpoint's sizes are taken and named in one line. Resumed, the
+    run reads its own checkpoint once and not the one it started from (gone by then)."""
+    ckpt = copy_run(runs, tmp_path, "gpt") / "ckpt.pt"
     base = [f"--data_dir={runs / 'data'}", f"--init_from={ckpt}", "--max_iters=1", "--eval_iters=1",
             "--batch_size=2", "--device=cpu"]
     err = one_error(capsys,
@@ -741,6 +761,22 @@ def test_init_from_a_run_says_what_came_from_it_and_refuses_a_given_value(runs, 
     assert lines == [f"from --init_from {ckpt}: vocab_size=65, block_size=16, n_layer=1, n_head=2, "
                      "n_embd=16, bias=false, gelu=none; the rest from this run's flags and "
                      "defaults"]
+    ckpt.unlink()
+    reads, check = [], train.check_out_dir
+    monkeypatch.setattr(train, "check_out_dir", lambda *a: reads.append(a) or check(*a))
+    train.main([f"--data_dir={runs / 'data'}", "--resume", "--max_iters=2", "--device=cpu",
+                f"--out_dir={tmp_path / 'b'}"])
+    log = capsys.readouterr().out.split("resuming")[1]
+    assert len(reads) == 1 and "from --init_from" not in log and "init from" not in log
+    assert common.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"))["iter"] == 2
+
+
+def test_a_compile_refusal_leaves_eager_runs_alone(runs, tmp_path, monkeypatch):
+    """COMPILE_REFUSED refuses --compile on a device type; without --compile the model trains."""
+    import dtrnet
+    monkeypatch.setattr(dtrnet, "COMPILE_REFUSED", {"cpu": "planted"})
+    assert math.isfinite(train.main(flags(runs / "data", tmp_path / "run", "--model=dtrnet",
+                                          "--n_layer=3", "--max_iters=1")))
 
 
 def test_a_path_with_a_tilde_is_under_home_and_a_replaced_vocab_size_is_said(

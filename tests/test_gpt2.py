@@ -300,6 +300,30 @@ def test_train_runs_from_a_local_gpt2(hf, data_dir, tmp_path, name, capsys):
     assert line.endswith(f" new tensors ({fresh})"), line
 
 
+def test_a_ddp_rank_other_than_0_waits_for_each_of_rank_0s_fetches(hf, data_dir, tmp_path,
+                                                                   monkeypatch):
+    """Rank 1 of 2 in this process (torch.distributed stood in for) starting from GPT-2: it waits
+    for rank 0's verdict on the data, on GPT-2's config, on its weights and on the run folder, one
+    broadcast each, so a download refused on rank 0 ends rank 1 too."""
+    common.prepare("shakespeare_bpe", str(data_dir))  # what rank 0 did
+    dist, boxes = torch.distributed, []
+    monkeypatch.setattr(train, "ddp_env", lambda: (True, 1, 2))
+    for name in ("init_process_group", "barrier", "destroy_process_group"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src: boxes.append(src))
+    monkeypatch.setattr(train, "_gather_rng", lambda state, ddp: [state, state])
+
+    class FirstStep(Exception):
+        pass
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda m, device_ids: m)
+    monkeypatch.setattr(train, "accumulate", lambda *a, **k: (_ for _ in ()).throw(FirstStep))
+    with pytest.raises(FirstStep):
+        train.train(*train.parse(["--model=gpt", f"--init_from={hf[0]}",
+                                  f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
+                                  *RUN]))
+    assert boxes == [0, 0, 0, 0]
+
+
 BPE_RUN = "--dataset=shakespeare_bpe"
 OFFLINE = ("); download config.json and model.safetensors from "
            "http://127.0.0.1:{port}/gpt2-medium/resolve/main/ into {data_dir}/hf/gpt2-medium/")
