@@ -33,8 +33,8 @@ from conftest import ROOT, decoded_vs_full, killed_at
 # data: download over HTTP from a local server
 
 class Server:
-    """Serves self.routes[path] = (body, claimed_length) on 127.0.0.1; a short body = an
-    interrupted download."""
+    """Serves self.routes[path] = (body, claimed_length) on 127.0.0.1;
+    a short body = an interrupted download."""
 
     def __init__(self):
         self.routes, self.hits = {}, 0
@@ -685,8 +685,8 @@ def test_tsa_lr_schedule_restarts_for_the_hard_phase_and_floors_at_min_lr():
 
 def test_tsa_hard_phase_covering_the_whole_run_starts_at_hard_ft_lr():
     """hard_ft_iters > max_iters means every step is in the hard phase (on_step calibrates at step
-    max(start, 0)): the phase's lr then restarts at hard_ft_lr at step 0 and still ends at
-    min_lr."""
+    max(start, 0)): the phase's lr then restarts at hard_ft_lr at step 0
+    and still ends at min_lr."""
     import tsa
     model = tsa.Model(tsa.Config(n_layer=2, n_head=2, n_embd=16, block_size=8, learning_rate=1e-3,
                                  min_lr=1e-4, warmup_iters=5, max_iters=40, hard_ft_iters=60,
@@ -734,8 +734,8 @@ def decay_policy(model):
 def test_adamw_decays_matrices_only_and_holds_every_trainable_parameter_once(name, flags):
     """Every trainable parameter is in exactly one group (the tied wte/lm_head weight once, frozen
     ones in none); the decayed group is exactly the matrices, at cfg.weight_decay; biases, norms,
-    embeddings and 1-D gate parameters are in a group with weight decay 0; betas and lr are the
-    Config's."""
+    embeddings and 1-D gate parameters are in a group with weight decay 0;
+    betas and lr are the Config's."""
     model, cfg = tiny_model(name, *flags)
     opt = common.make_optimizer(model, cfg, torch.device("cpu"))
     # the tied weight is named once, as wte.weight
@@ -802,9 +802,9 @@ def test_bpe_that_cannot_load_says_what_to_do(monkeypatch):
 # evaluation
 
 def test_eval_batches_are_fixed_and_differ_by_split_and_index():
-    """eval_rng(seed, split, k) gives the same k-th batch in every run, a different batch for every
-    k, and train and val batches drawn differently (the same windows in both would correlate the two
-    numbers)."""
+    """eval_rng(seed, split, k) gives the same k-th batch in every run, a different batch for
+    every k, and train and val batches drawn differently
+    (the same windows in both would correlate the two numbers)."""
     data, meta = np.arange(5000, dtype=np.uint16), {"dataset": "shakespeare"}
     batch = lambda seed, split, k: common.get_batch(data, meta, 4, 16,
                                                     common.eval_rng(seed, split, k))[0]
@@ -838,8 +838,8 @@ def test_decode_state_is_a_tuple_whose_tensors_a_step_keeps_or_replaces(name, fl
 def test_dropout_acts_in_training_only(name, flags, monkeypatch):
     """Residual and embedding dropout acts in training when p > 0, at least once per layer and at
     the embedding; in eval it is the identity: the same weights with p = 0.5 and 0 give equal eval
-    logits (attention's own dropout is off in eval too), and p = 0 in training changes nothing
-    either."""
+    logits (attention's own dropout is off in eval too),
+    and p = 0 in training changes nothing either."""
     calls, f_dropout = [], F.dropout
     monkeypatch.setattr(F, "dropout", lambda x, *a, **kw: calls.append(1) or f_dropout(x, *a, **kw))
     idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -856,8 +856,8 @@ def test_dropout_acts_in_training_only(name, flags, monkeypatch):
 
 
 def aligned_16_bytes(t):
-    """Where a view starts and every step between its rows (dims of size 1 aside) fall on 16
-    bytes."""
+    """Where a view starts and every step between its rows (dims of size 1 aside)
+    fall on 16 bytes."""
     n = t.element_size()
     return t.data_ptr() % 16 == 0 and all(s * n % 16 == 0
                                           for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1)
@@ -1299,8 +1299,8 @@ def test_a_checkpoint_that_is_not_weights_only_or_not_ours_is_refused(tmp_path):
         common.load_checkpoint(str(tmp_path / "nope.pt"))
 
 def grad_norms_at_step(monkeypatch):
-    """Spy on train.py's optimizer: the L2 norm of the gradients each optimizer.step() really steps
-    with."""
+    """Spy on train.py's optimizer: the L2 norm of the gradients
+    each optimizer.step() really steps with."""
     seen, real = [], common.make_optimizer
 
     def spy(model, cfg, device):
@@ -1318,8 +1318,8 @@ def grad_norms_at_step(monkeypatch):
 
 def test_grad_clip_is_applied_to_the_step(data_dir, tmp_path, monkeypatch):
     """With grad_clip the optimizer steps with the gradient rescaled to norm grad_clip whenever the
-    logged (pre-clipping) norm is above it; with grad_clip=0 it steps with the logged, unclipped
-    gradient."""
+    logged (pre-clipping) norm is above it;
+    with grad_clip=0 it steps with the logged, unclipped gradient."""
     monkeypatch.setattr(train, "summary", lambda *a: None)  # the loop is what is tested here
     seen = grad_norms_at_step(monkeypatch)
     run(["--grad_clip=0.02", "--max_iters=6", "--dropout=0"], data_dir, tmp_path / "clip")
@@ -1515,8 +1515,8 @@ def test_bench_crossover_is_where_sparse_wins_from_then_on():
 
 @pytest.mark.parametrize("suite", ["tsa", "dtrnet", "conddepth", "hybrid", "mod"])
 def test_bench_paper_suites_quick_smoke(suite):
-    """Every paper's benchmark runs and reports positive timings (numbers themselves go in
-    results/)."""
+    """Every paper's benchmark runs and reports positive timings
+    (numbers themselves go in results/)."""
     import bench
     rows = bench.main([suite, "--quick", "--repeats=1"])
     assert rows and all(r["suite"] == suite for r in rows)

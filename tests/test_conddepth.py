@@ -183,8 +183,8 @@ def test_classroom_preset_trains_jointly_from_scratch():
 
 def test_controller_only_needs_a_trained_start():
     """From scratch (no init_from) a frozen random backbone would only hold the routers back (loss
-    4.16 where the GPT reaches 3.24): the default trains everything; with init_from the backbone is
-    frozen."""
+    4.16 where the GPT reaches 3.24): the default trains everything;
+    with init_from the backbone is frozen."""
     assert not tiny().controller_only and not tiny(controller_only=True).controller_only
     assert (tiny(init_from="ckpt.pt").controller_only
             and not tiny(init_from="x", controller_only=False).controller_only)
@@ -410,8 +410,8 @@ def test_topk_at_ties_keeps_exactly_k():
 @pytest.mark.parametrize("gate", ["G1", "G3"])
 def test_inference_rule_is_strict_at_the_threshold(gate):
     """Inference: full iff u > θ_l (strict): a token whose score equals θ_l exactly takes the cheap
-    FFN, in the dense-hard forward, the sparse forward and the decode step (B = 1 and B = 2)
-    alike."""
+    FFN, in the dense-hard forward, the sparse forward
+    and the decode step (B = 1 and B = 2) alike."""
     m = make(gate=gate, block_size=16).eval()
     x = data(B=2, T=16, seed=5)[0]
     u = scored(m, x)[1]
