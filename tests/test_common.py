@@ -29,11 +29,12 @@ import train
 from conftest import ROOT, decoded_vs_full, killed_at
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # data: download over HTTP from a local server
 
 class Server:
-    """Serves self.routes[path] = (body, claimed_length) on 127.0.0.1; a short body = an interrupted download."""
+    """Serves self.routes[path] = (body, claimed_length) on 127.0.0.1;
+    a short body = an interrupted download."""
 
     def __init__(self):
         self.routes, self.hits = {}, 0
@@ -72,7 +73,8 @@ def shakespeare_text(data_dir):
     return open(os.path.join(data_dir, "shakespeare", "input.txt"), "rb").read()
 
 
-def test_download_prepares_shakespeare_and_checks_sha256(server, tmp_path, shakespeare_text, capsys):
+def test_download_prepares_shakespeare_and_checks_sha256(server, tmp_path, shakespeare_text,
+                                                         capsys):
     assert hashlib.sha256(shakespeare_text).hexdigest() == common.SHAKESPEARE_SHA256
     server.routes["/input.txt"] = (shakespeare_text, None)
     meta = common.prepare("shakespeare", str(tmp_path), url=server.url + "/input.txt")
@@ -81,7 +83,8 @@ def test_download_prepares_shakespeare_and_checks_sha256(server, tmp_path, shake
     assert meta["train_tokens"] == int(0.9 * 1_115_394)  # nanoGPT's split
     assert "vocab_size 65" in capsys.readouterr().out  # prepare says what it produced
     val = common.load_split("shakespeare", "val", str(tmp_path))
-    assert common.decode(meta, val[:20].tolist()) == shakespeare_text.decode()[int(0.9 * 1_115_394):][:20]
+    assert common.decode(meta, val[:20].tolist()) \
+        == shakespeare_text.decode()[int(0.9 * 1_115_394):][:20]
     hits = server.hits
     common.prepare("shakespeare", str(tmp_path), url=server.url + "/input.txt")
     assert server.hits == hits  # prepared once
@@ -94,8 +97,10 @@ def test_download_rejects_checksum_mismatch(server, tmp_path, shakespeare_text):
     assert os.listdir(tmp_path / "shakespeare") == []  # no partial or bad file left behind
 
 
-def test_interrupted_download_leaves_nothing_and_says_where_to_put_the_file(server, tmp_path, shakespeare_text):
-    server.routes["/input.txt"] = (shakespeare_text[:1000], len(shakespeare_text))  # connection drops early
+def test_interrupted_download_leaves_nothing_and_says_where_to_put_the_file(server, tmp_path,
+                                                                            shakespeare_text):
+    # connection drops early
+    server.routes["/input.txt"] = (shakespeare_text[:1000], len(shakespeare_text))
     with pytest.raises(common.NanorouteError) as e:
         common.prepare("shakespeare", str(tmp_path), url=server.url + "/input.txt")
     assert str(tmp_path / "shakespeare" / "input.txt") in str(e.value)
@@ -208,7 +213,8 @@ def test_enwik8_from_a_small_zip(server, tmp_path, monkeypatch):
     assert (meta["train_tokens"], meta["val_tokens"], meta["test_tokens"]) == (3600, 200, 200)
     assert (meta["unit"], meta["vocab_size"], meta["characters"]) == ("byte", 256, 4000)
     assert cuts == [slice(None, 10 ** 8)]
-    assert bytes(common.load_split("enwik8", "val", str(tmp_path)).astype(np.uint8)) == raw[3600:3800]
+    assert bytes(common.load_split("enwik8", "val", str(tmp_path)).astype(np.uint8)) \
+        == raw[3600:3800]
 
 
 def test_corrupt_enwik8_zip_is_a_clear_error(tmp_path):
@@ -297,7 +303,7 @@ def test_shakespeare_bpe(data_dir):
     assert common.decode(meta, val[:50].tolist()).startswith("?\n\nGREMIO:")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # batches
 
 def test_windows_are_shifted_by_one(data_dir):
@@ -313,7 +319,8 @@ def test_windows_are_shifted_by_one(data_dir):
 @pytest.mark.parametrize("task", ["copy", "sort"])
 def test_copy_sort_records_and_target_masking(tmp_path, task):
     meta = common.prepare(task, str(tmp_path))
-    assert meta["vocab_size"] == 35 and meta["record_len"] == 23 and meta["train_tokens"] == 23 * 10_000
+    assert meta["vocab_size"] == 35 and meta["record_len"] == 23 \
+        and meta["train_tokens"] == 23 * 10_000
     data = common.load_split(task, "train", str(tmp_path))
     x, y = common.get_batch(data, meta, 8, 22, np.random.default_rng(1))
     assert x.shape == y.shape == (8, 22)
@@ -325,14 +332,15 @@ def test_copy_sort_records_and_target_masking(tmp_path, task):
 
 
 def test_batches_reach_every_window_of_the_split():
-    """Windows start anywhere from the split's first token to the last start that still has a target: the
-    first and the last position of the split are both seen, and y is x shifted by exactly one (a sampler
-    whose upper bound is one short never trains on the split's tail)."""
+    """Windows start anywhere from the split's first token to the last start that still has a
+    target: the first and the last position of the split are both seen, and y is x shifted by
+    exactly one (a sampler whose upper bound is one short never trains on the split's tail)."""
     meta, T = {"dataset": "shakespeare", "unit": "char"}, 8
     for n in (T + 5, T + 1):  # five windows, then only one
         data = np.arange(n, dtype=np.uint16)
         x, y = common.get_batch(data, meta, 200, T, np.random.default_rng(0))
-        assert torch.equal(y, x + 1)  # arange: the target of every position is the next token of the split
+        # arange: the target of every position is the next token of the split
+        assert torch.equal(y, x + 1)
         assert x.dtype == y.dtype == torch.int64
         assert torch.equal(x - x[:, :1], torch.arange(T).expand(200, T))  # contiguous windows
         assert set(x[:, 0].tolist()) == set(range(n - T))  # every start, 0 and n - T - 1 included
@@ -356,16 +364,18 @@ def test_record_batches_reach_every_record():
     data = np.arange(n * R, dtype=np.uint16)
     x, y = common.get_batch(data, meta, 200, R - 1, np.random.default_rng(0))
     assert set((x[:, 0] // R).tolist()) == set(range(n)) and x.dtype == y.dtype == torch.int64
-    assert torch.equal(x - x[:, :1], torch.arange(R - 1).expand(200, R - 1))  # whole records, from their start
+    # whole records, from their start
+    assert torch.equal(x - x[:, :1], torch.arange(R - 1).expand(200, R - 1))
     assert (y[:, :common.TASK_LEN + 1] == -1).all()
     assert torch.equal(y[:, common.TASK_LEN + 1:], x[:, common.TASK_LEN + 1:] + 1)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the dense GPT
 
 def tiny(**kw):
-    return common.Config(**{**dict(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32), **kw})
+    return common.Config(**{**dict(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32),
+                            **kw})
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
@@ -479,7 +489,8 @@ def test_init_scales_by_value():
 def test_generate_greedy_is_deterministic_and_respects_block_size():
     model = common.Model(tiny(block_size=8)).eval()
     out = model.generate(torch.zeros(2, 3, dtype=torch.long), 10, temperature=0)
-    assert out.shape == (2, 13) and torch.equal(out, model.generate(torch.zeros(2, 3, dtype=torch.long), 10, 0))
+    assert out.shape == (2, 13) \
+        and torch.equal(out, model.generate(torch.zeros(2, 3, dtype=torch.long), 10, 0))
     for training in (True, False):  # sampling runs in eval, and the mode it found is restored
         for use_cache in (True, False):
             model.train(training).generate(torch.zeros(1, 2, dtype=torch.long), 2,
@@ -598,7 +609,7 @@ def test_defaults_and_presets_are_pinned_by_value():
     assert common.PRESETS == {"classroom": common.CLASSROOM, "paper": common.PAPER,
                               "gpu": common.GPU}
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # accounting
 
 @pytest.mark.parametrize("alpha,saved", [(0.726, 0.228), (0.833, 0.139), (0.341, 0.549)])
@@ -608,9 +619,9 @@ def test_tlops_saving_matches_the_tsa_paper(alpha, saved):
 
 
 def test_dense_flops_match_torch_flop_counter():
-    """Our per-component formulas must count what the model really multiplies. The counter does not see
-    inside CPU SDPA kernels, so attention scores are checked on explicit matmuls (charged for the full
-    T×T square; causal attention is charged for the average (T+1)/2 keys)."""
+    """Our per-component formulas must count what the model really multiplies. The counter does not
+    see inside CPU SDPA kernels, so attention scores are checked on explicit matmuls (charged for
+    the full T×T square; causal attention is charged for the average (T+1)/2 keys)."""
     cfg = tiny(block_size=64, n_embd=64, n_head=4)
     model, B, T, d = common.Model(cfg), 2, 64, cfg.n_embd
     with FlopCounterMode(display=False) as fc:
@@ -623,12 +634,12 @@ def test_dense_flops_match_torch_flop_counter():
     assert fc.get_total_flops() == B * T * common.flops_attn_scores(d, T)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the learning-rate schedule and AdamW's groups
 
 def cosine_expected(it, cfg):
-    """The documented shape, written out: linear warm-up from lr/warmup_iters to the peak, then half a
-    cosine from the peak at warmup_iters to min_lr at max_iters, and min_lr from then on."""
+    """The documented shape, written out: linear warm-up from lr/warmup_iters to the peak, then
+    half a cosine from the peak at warmup_iters to min_lr at max_iters, and min_lr from then on."""
     lr, lo, w, n = cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.max_iters
     if it < w:
         return lr * (it + 1) / w
@@ -639,27 +650,29 @@ def cosine_expected(it, cfg):
 
 @pytest.mark.parametrize("warmup,max_iters", [(10, 100), (1, 7), (0, 50), (4, 5)])
 def test_lr_schedule_warms_up_linearly_and_floors_at_min_lr(warmup, max_iters):
-    """The warm-up starts at lr/warmup_iters (never 0), grows by the same amount every step and is at the
-    peak at warmup_iters; the cosine reaches min_lr exactly at max_iters and stays there after it (a run
-    resumed or continued past max_iters must not climb back up the cosine)."""
+    """The warm-up starts at lr/warmup_iters (never 0), grows by the same amount every step and is
+    at the peak at warmup_iters; the cosine reaches min_lr exactly at max_iters and stays there
+    after it (a run resumed or continued past max_iters must not climb back up the cosine)."""
     cfg = common.Config(learning_rate=1e-3, min_lr=1e-4, warmup_iters=warmup, max_iters=max_iters)
     lrs = [common.lr_at(it, cfg) for it in range(3 * max_iters + 5)]
-    assert lrs == pytest.approx([cosine_expected(it, cfg) for it in range(len(lrs))], rel=1e-9, abs=0)
+    assert lrs == pytest.approx([cosine_expected(it, cfg) for it in range(len(lrs))], rel=1e-9,
+                                abs=0)
     if warmup:
         assert lrs[0] == pytest.approx(1e-3 / warmup)
         assert np.diff(lrs[:warmup]) == pytest.approx([1e-3 / warmup] * (warmup - 1))
     assert lrs[warmup] == pytest.approx(1e-3) and max(lrs) == pytest.approx(1e-3)
-    assert all(b <= a + 1e-15 for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))  # only down after the peak
+    # only down after the peak
+    assert all(b <= a + 1e-15 for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
     assert lrs[max_iters:] == pytest.approx([1e-4] * (len(lrs) - max_iters), rel=1e-9)
 
 
 def test_tsa_lr_schedule_restarts_for_the_hard_phase_and_floors_at_min_lr():
-    """TSA's own lr_at (what train.py uses for it): the common schedule before the hard phase (and all the
-    way with hard_ft_lr=0); with hard_ft_lr a fresh cosine from hard_ft_lr at the phase's first step to
-    min_lr at max_iters, and min_lr after it."""
+    """TSA's own lr_at (what train.py uses for it): the common schedule before the hard phase (and
+    all the way with hard_ft_lr=0); with hard_ft_lr a fresh cosine from hard_ft_lr at the phase's
+    first step to min_lr at max_iters, and min_lr after it."""
     import tsa
-    base = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, learning_rate=1e-3, min_lr=1e-4, warmup_iters=5,
-                max_iters=40, hard_ft_iters=10)
+    base = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, learning_rate=1e-3, min_lr=1e-4,
+                warmup_iters=5, max_iters=40, hard_ft_iters=10)
     off = tsa.Model(tsa.Config(**base))
     assert [off.lr_at(it) for it in range(100)] == [common.lr_at(it, off.cfg) for it in range(100)]
     model = tsa.Model(tsa.Config(**base, hard_ft_lr=5e-4))
@@ -672,10 +685,12 @@ def test_tsa_lr_schedule_restarts_for_the_hard_phase_and_floors_at_min_lr():
 
 def test_tsa_hard_phase_covering_the_whole_run_starts_at_hard_ft_lr():
     """hard_ft_iters > max_iters means every step is in the hard phase (on_step calibrates at step
-    max(start, 0)): the phase's lr then restarts at hard_ft_lr at step 0 and still ends at min_lr."""
+    max(start, 0)): the phase's lr then restarts at hard_ft_lr at step 0
+    and still ends at min_lr."""
     import tsa
-    model = tsa.Model(tsa.Config(n_layer=2, n_head=2, n_embd=16, block_size=8, learning_rate=1e-3, min_lr=1e-4,
-                                 warmup_iters=5, max_iters=40, hard_ft_iters=60, hard_ft_lr=5e-4))
+    model = tsa.Model(tsa.Config(n_layer=2, n_head=2, n_embd=16, block_size=8, learning_rate=1e-3,
+                                 min_lr=1e-4, warmup_iters=5, max_iters=40, hard_ft_iters=60,
+                                 hard_ft_lr=5e-4))
     assert model.lr_at(40) == pytest.approx(1e-4)
     assert model.lr_at(0) == pytest.approx(5e-4)
 
@@ -686,22 +701,25 @@ TINY = {"gpt": [], "tsa": [], "dtrnet": ["--n_layer=3"], "conddepth": [], "hybri
 
 
 def tiny_model(name, *flags):
-    given = {a.split("=")[0] for a in [*TINY[name], *flags]}  # a flag may be given once: these replace the base's
-    base = [a for a in ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16"] if a.split("=")[0] not in given]
+    # a flag may be given once: these replace the base's
+    given = {a.split("=")[0] for a in [*TINY[name], *flags]}
+    base = [a for a in ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16"]
+            if a.split("=")[0] not in given]
     cfg, module, _ = train.parse_args(["--model", name, *base, *TINY[name], *flags])
     torch.manual_seed(0)
     return (module.build(cfg) if hasattr(module, "build") else module.Model(cfg)), cfg
 
 
 def decay_policy(model):
-    """make_optimizer's documented policy, stated by what a parameter is rather than by its name or shape:
-    (ids decayed, ids not decayed, ids the policy does not name). Decayed: the weights of Linear and Conv
-    layers (matrices), except the one tied to the token embedding. Not decayed: biases, norm gains,
-    embedding tables, and every 1-D parameter (gates, A_log, dt_bias, ...). Unnamed: a bare >= 2-D
-    nn.Parameter that is not a layer's weight."""
+    """make_optimizer's documented policy, stated by what a parameter is rather than by its name or
+    shape: (ids decayed, ids not decayed, ids the policy does not name). Decayed: the weights of
+    Linear and Conv layers (matrices), except the one tied to the token embedding. Not decayed:
+    biases, norm gains, embedding tables, and every 1-D parameter (gates, A_log, dt_bias, ...).
+    Unnamed: a bare >= 2-D nn.Parameter that is not a layer's weight."""
     trainable = {id(p): p for p in model.parameters() if p.requires_grad}
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))}
+    matrices = {id(m.weight) for m in model.modules()
+                if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))}
     decay = (matrices - tables) & trainable.keys()
     unnamed = {i for i, p in trainable.items() if i not in decay | tables and p.dim() >= 2}
     return decay, trainable.keys() - decay - unnamed, unnamed
@@ -709,18 +727,22 @@ def decay_policy(model):
 
 @pytest.mark.parametrize("name,flags", [
     ("gpt", ["--bias=true"]), ("tsa", ["--bias=true"]), ("tsa", ["--variant=early_exit"]),
-    ("dtrnet", ["--bias=true"]), ("conddepth", []), ("conddepth", ["--controller_only=false", "--gate=G1"]),
+    ("dtrnet", ["--bias=true"]), ("conddepth", []),
+    ("conddepth", ["--controller_only=false", "--gate=G1"]),
     ("hybrid", ["--bias=true"]), ("mod", ["--bias=true", "--predictor=mlp"])],
     ids=lambda v: v if isinstance(v, str) else "-".join(a[2:] for a in v) or "default")
 def test_adamw_decays_matrices_only_and_holds_every_trainable_parameter_once(name, flags):
-    """Every trainable parameter is in exactly one group (the tied wte/lm_head weight once, frozen ones in
-    none); the decayed group is exactly the matrices, at cfg.weight_decay; biases, norms, embeddings and
-    1-D gate parameters are in a group with weight decay 0; betas and lr are the Config's."""
+    """Every trainable parameter is in exactly one group (the tied wte/lm_head weight once, frozen
+    ones in none); the decayed group is exactly the matrices, at cfg.weight_decay; biases, norms,
+    embeddings and 1-D gate parameters are in a group with weight decay 0;
+    betas and lr are the Config's."""
     model, cfg = tiny_model(name, *flags)
     opt = common.make_optimizer(model, cfg, torch.device("cpu"))
-    names = {id(p): n for n, p in model.named_parameters()}  # the tied weight is named once, as wte.weight
+    # the tied weight is named once, as wte.weight
+    names = {id(p): n for n, p in model.named_parameters()}
     held = sorted(names[id(p)] for g in opt.param_groups for p in g["params"])
-    assert held == sorted(n for n, p in model.named_parameters() if p.requires_grad)  # each once, none frozen
+    # each once, none frozen
+    assert held == sorted(n for n, p in model.named_parameters() if p.requires_grad)
     assert model.lm_head.weight is model.wte.weight
     wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     decay, no_decay, unnamed = decay_policy(model)
@@ -776,40 +798,48 @@ def test_bpe_that_cannot_load_says_what_to_do(monkeypatch):
                             "r50k_base file")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # evaluation
 
 def test_eval_batches_are_fixed_and_differ_by_split_and_index():
-    """eval_rng(seed, split, k) gives the same k-th batch in every run, a different batch for every k, and
-    train and val batches drawn differently (the same windows in both would correlate the two numbers)."""
+    """eval_rng(seed, split, k) gives the same k-th batch in every run, a different batch for
+    every k, and train and val batches drawn differently
+    (the same windows in both would correlate the two numbers)."""
     data, meta = np.arange(5000, dtype=np.uint16), {"dataset": "shakespeare"}
-    batch = lambda seed, split, k: common.get_batch(data, meta, 4, 16, common.eval_rng(seed, split, k))[0]
+    batch = lambda seed, split, k: common.get_batch(data, meta, 4, 16,
+                                                    common.eval_rng(seed, split, k))[0]
     assert torch.equal(batch(3, "val", 1), batch(3, "val", 1))
     for split, i in (("train", 1), ("val", 2), ("test", 3)):  # the batches results/ measured on
         assert common.eval_rng(3, split, 4).integers(1 << 30) \
             == np.random.default_rng([3, i, 4]).integers(1 << 30)
-    xs = [batch(3, split, k) for split in ("train", "val", "test") for k in range(3)] + [batch(4, "val", 0)]
+    xs = [batch(3, split, k) for split in ("train", "val", "test") for k in range(3)] \
+        + [batch(4, "val", 0)]
     assert all(not torch.equal(a, b) for i, a in enumerate(xs) for b in xs[i + 1:])
 
 
-@pytest.mark.parametrize("name,flags", [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
+@pytest.mark.parametrize("name,flags",
+                         [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
 def test_decode_state_is_a_tuple_whose_tensors_a_step_keeps_or_replaces(name, flags):
-    """generate(compile=True) on CUDA copies a step's new state tensors out of the CUDA graph's pool and keeps
-    those at the addresses prefill gave (caches, masks): it walks the state as a tuple, for every model."""
+    """generate(compile=True) on CUDA copies a step's new state tensors out of the CUDA graph's pool
+    and keeps those at the addresses prefill gave (caches, masks): it walks the state as a tuple,
+    for every model."""
     model, cfg = tiny_model(name, *flags)
     idx = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, state = model.eval().prefill(idx)
         _, new = model.step(idx[:, -1:], state)
     assert isinstance(state, tuple) and isinstance(new, tuple) and len(new) == len(state)
-    assert any(torch.is_tensor(t) for t in new)  # the position (early exit: its window), which a step replaces
+    # the position (early exit: its window), which a step replaces
+    assert any(torch.is_tensor(t) for t in new)
 
 
-@pytest.mark.parametrize("name,flags", [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
+@pytest.mark.parametrize("name,flags",
+                         [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
 def test_dropout_acts_in_training_only(name, flags, monkeypatch):
-    """Residual and embedding dropout acts in training when p > 0, at least once per layer and at the
-    embedding; in eval it is the identity: the same weights with p = 0.5 and 0 give equal eval logits
-    (attention's own dropout is off in eval too), and p = 0 in training changes nothing either."""
+    """Residual and embedding dropout acts in training when p > 0, at least once per layer and at
+    the embedding; in eval it is the identity: the same weights with p = 0.5 and 0 give equal eval
+    logits (attention's own dropout is off in eval too),
+    and p = 0 in training changes nothing either."""
     calls, f_dropout = [], F.dropout
     monkeypatch.setattr(F, "dropout", lambda x, *a, **kw: calls.append(1) or f_dropout(x, *a, **kw))
     idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -826,17 +856,21 @@ def test_dropout_acts_in_training_only(name, flags, monkeypatch):
 
 
 def aligned_16_bytes(t):
-    """Where a view starts and every step between its rows (dims of size 1 aside) fall on 16 bytes."""
+    """Where a view starts and every step between its rows (dims of size 1 aside)
+    fall on 16 bytes."""
     n = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s * n % 16 == 0 for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1)
+    return t.data_ptr() % 16 == 0 and all(s * n % 16 == 0
+                                          for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1)
 
 
-@pytest.mark.parametrize("name,flags", [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
+@pytest.mark.parametrize("name,flags",
+                         [(n, []) for n in TINY] + [("tsa", ["--variant=early_exit"])])
 def test_attention_inputs_are_16_byte_aligned(name, flags, monkeypatch):
-    """CUDA's memory-efficient and cuDNN attention choose a kernel from strides and head size but not from where
-    a view starts (pytorch/pytorch#183484): a q, k or v that is a view at an offset off 16 bytes crashes them
-    ('misaligned address'; it did on an H200 in the hybrid's decode step). Every SDPA call a model makes —
-    training, eval and sparse forwards, prefill and B=2 decode steps, in CPU bf16 autocast — gets aligned q, k, v."""
+    """CUDA's memory-efficient and cuDNN attention choose a kernel from strides and head size but
+    not from where a view starts (pytorch/pytorch#183484): a q, k or v that is a view at an offset
+    off 16 bytes crashes them ('misaligned address'; it did on an H200 in the hybrid's decode step).
+    Every SDPA call a model makes — training, eval and sparse forwards, prefill and B=2 decode
+    steps, in CPU bf16 autocast — gets aligned q, k, v."""
     seen, sdpa = [], F.scaled_dot_product_attention
 
     def spy(q, k, v, *args, **kw):
@@ -855,19 +889,22 @@ def test_attention_inputs_are_16_byte_aligned(name, flags, monkeypatch):
     assert seen
     bad = [(i, j, t.dtype, t.shape, t.stride(), t.storage_offset()) for i, qkv in enumerate(seen)
            for j, t in enumerate(qkv) if not aligned_16_bytes(t)]
-    assert not bad, f"{len(bad)} of {3 * len(seen)} SDPA inputs off 16 bytes (call, q|k|v, ...): {bad[:3]}"
+    assert not bad, (f"{len(bad)} of {3 * len(seen)} SDPA inputs off 16 bytes (call, q|k|v, ...): "
+                     f"{bad[:3]}")
 
 
 @pytest.mark.parametrize("name", list(TINY))
 @pytest.mark.parametrize("kind", ["chars", "records"])
 def test_estimate_loss_is_the_mean_over_eval_iters_fixed_batches(name, kind):
     """The reported loss is the cross-entropy of the eval-mode (hard) logits averaged over exactly
-    cfg.eval_iters batches k = 0..eval_iters−1 drawn with eval_rng(eval seed, split, k) (eval_seed, or seed
-    when it is -1); accuracy counts only scored targets; every routing stat is averaged the same way; bpc
-    is the loss in bits; the model's training mode is restored. Checked against a direct computation."""
+    cfg.eval_iters batches k = 0..eval_iters−1 drawn with eval_rng(eval seed, split, k) (eval_seed,
+    or seed when it is -1); accuracy counts only scored targets; every routing stat is averaged the
+    same way; bpc is the loss in bits; the model's training mode is restored. Checked against a
+    direct computation."""
     model, cfg = tiny_model(name, "--block_size=22", "--batch_size=3", "--eval_iters=3", "--seed=5")
     if kind == "chars":
-        meta, data = {"dataset": "shakespeare", "unit": "char"}, np.random.default_rng(0).integers(0, 65, 400)
+        meta, data = ({"dataset": "shakespeare", "unit": "char"},
+                      np.random.default_rng(0).integers(0, 65, 400))
     else:
         meta = {"dataset": "copy", "record_len": 23, "unit": "token"}
         data = np.random.default_rng(0).integers(0, 35, 23 * 30)
@@ -887,7 +924,8 @@ def test_estimate_loss_is_the_mean_over_eval_iters_fixed_batches(name, kind):
                     logits, _, stats = model(x, y)
                     scored = y >= 0
                     per.append({**{n: v.item() for n, v in stats.items() if n != "lm_loss"},
-                                "loss": F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1).item(),
+                                "loss": F.cross_entropy(logits.flatten(0, 1), y.flatten(),
+                                                        ignore_index=-1).item(),
                                 "acc": (logits.argmax(-1) == y)[scored].float().mean().item()})
             want = {n: float(np.mean([p[n] for p in per])) for n in per[0]}
             if kind == "chars":
@@ -908,13 +946,14 @@ def test_estimate_loss_gives_bits_per_character_or_byte_and_none_per_token(unit,
     assert got.get("bpc", got["loss"] / math.log(2)) == pytest.approx(got["loss"] / math.log(2))
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # checkpoints, resume and the CLI
 
 def run(argv, data_dir, out_dir, **extra):
-    base = ["--model=gpt", "--dataset=shakespeare", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
-            "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2",
-            "--eval_interval=5", "--log_interval=1", "--max_iters=20", "--warmup_iters=4", "--dropout=0.1"]
+    base = ["--model=gpt", "--dataset=shakespeare", f"--data_dir={data_dir}",
+            f"--out_dir={out_dir}", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32",
+            "--batch_size=4", "--eval_iters=2", "--eval_interval=5", "--log_interval=1",
+            "--max_iters=20", "--warmup_iters=4", "--dropout=0.1"]
     given = {a.split("=")[0] for a in argv}  # a flag may be given once: argv's replace the base's
     return train.main([a for a in base if a.split("=")[0] not in given] + argv)
 
@@ -1070,7 +1109,8 @@ def test_killed_run_resumes_exactly(data_dir, tmp_path):
         run([], data_dir, tmp_path / "b")
     assert len(records(tmp_path / "b")) < len(records(tmp_path / "a"))
     run(["--resume"], data_dir, tmp_path / "b")
-    assert records(tmp_path / "a") == records(tmp_path / "b")  # dropout RNG, data order, optimizer: all exact
+    # dropout RNG, data order, optimizer: all exact
+    assert records(tmp_path / "a") == records(tmp_path / "b")
     ckpt = common.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"))
     assert ckpt["iter"] == 20 and ckpt["config"]["n_embd"] == 32
     assert not [f for f in os.listdir(tmp_path / "b") if f.endswith(".tmp")]
@@ -1103,8 +1143,8 @@ def test_a_non_finite_loss_stops_with_the_step(bad, data_dir, tmp_path, monkeypa
 
 
 def interrupted_save(cut):
-    """A torch.save that writes only the first `cut` bytes of what it was given (None: all of them), then
-    fails: a crash, a full disk or a kill at any point of a checkpoint write."""
+    """A torch.save that writes only the first `cut` bytes of what it was given (None: all of them),
+    then fails: a crash, a full disk or a kill at any point of a checkpoint write."""
     real = torch.save
 
     def save(obj, f, *args, **kwargs):
@@ -1120,14 +1160,17 @@ def interrupted_save(cut):
     return save
 
 
-@pytest.mark.parametrize("cut", [0, 1, 100, -1, None], ids=["nothing", "1B", "100B", "all-but-1B", "all"])
+@pytest.mark.parametrize("cut", [0, 1, 100, -1, None],
+                         ids=["nothing", "1B", "100B", "all-but-1B", "all"])
 def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch, cut):
-    """save_checkpoint is atomic: a write that dies at any byte leaves the previous ckpt.pt loadable and
-    equal to what it was, no new *.pt file that --resume or --sample could pick up, and a first checkpoint
-    that dies leaves no ckpt.pt at all; the next save then succeeds and leaves no temporary file."""
+    """save_checkpoint is atomic: a write that dies at any byte leaves the previous ckpt.pt loadable
+    and equal to what it was, no new *.pt file that --resume or --sample could pick up, and a first
+    checkpoint that dies leaves no ckpt.pt at all; the next save then succeeds and leaves no
+    temporary file."""
     path, fresh = str(tmp_path / "run" / "ckpt.pt"), str(tmp_path / "run" / "best.pt")
     old = dict(model={"w": torch.arange(3000.0)}, config={"n_embd": 32}, iter=10, best_val_loss=1.5)
-    new = dict(model={"w": -torch.arange(3000.0)}, config={"n_embd": 32}, iter=15, best_val_loss=1.25)
+    new = dict(model={"w": -torch.arange(3000.0)}, config={"n_embd": 32}, iter=15,
+               best_val_loss=1.25)
     common.save_checkpoint(path, **old)
     with monkeypatch.context() as m:
         m.setattr(torch, "save", interrupted_save(cut))
@@ -1203,8 +1246,8 @@ def test_atomic_write_replaces_whole_or_keeps_the_old_file_and_names_it(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["a", "g.bin"]  # and no folder made for it
 
 def test_empty_checkpoint_is_a_one_line_error(tmp_path):
-    """A zero-byte checkpoint (what a crash leaves behind a writer that is not atomic, or a full disk) is
-    reported like any other corrupt checkpoint."""
+    """A zero-byte checkpoint (what a crash leaves behind a writer that is not atomic, or a full
+    disk) is reported like any other corrupt checkpoint."""
     (tmp_path / "ckpt.pt").write_bytes(b"")
     with pytest.raises(common.NanorouteError) as e:
         common.load_checkpoint(str(tmp_path / "ckpt.pt"))
@@ -1256,14 +1299,16 @@ def test_a_checkpoint_that_is_not_weights_only_or_not_ours_is_refused(tmp_path):
         common.load_checkpoint(str(tmp_path / "nope.pt"))
 
 def grad_norms_at_step(monkeypatch):
-    """Spy on train.py's optimizer: the L2 norm of the gradients each optimizer.step() really steps with."""
+    """Spy on train.py's optimizer: the L2 norm of the gradients
+    each optimizer.step() really steps with."""
     seen, real = [], common.make_optimizer
 
     def spy(model, cfg, device):
         opt = real(model, cfg, device)
 
         def pre_step(o, args, kwargs):
-            grads = [p.grad.flatten() for g in o.param_groups for p in g["params"] if p.grad is not None]
+            grads = [p.grad.flatten() for g in o.param_groups for p in g["params"]
+                     if p.grad is not None]
             seen.append(torch.cat(grads).norm().item())
         opt.register_step_pre_hook(pre_step)
         return opt
@@ -1272,8 +1317,9 @@ def grad_norms_at_step(monkeypatch):
 
 
 def test_grad_clip_is_applied_to_the_step(data_dir, tmp_path, monkeypatch):
-    """With grad_clip the optimizer steps with the gradient rescaled to norm grad_clip whenever the logged
-    (pre-clipping) norm is above it; with grad_clip=0 it steps with the logged, unclipped gradient."""
+    """With grad_clip the optimizer steps with the gradient rescaled to norm grad_clip whenever the
+    logged (pre-clipping) norm is above it;
+    with grad_clip=0 it steps with the logged, unclipped gradient."""
     monkeypatch.setattr(train, "summary", lambda *a: None)  # the loop is what is tested here
     seen = grad_norms_at_step(monkeypatch)
     run(["--grad_clip=0.02", "--max_iters=6", "--dropout=0"], data_dir, tmp_path / "clip")
@@ -1287,9 +1333,10 @@ def test_grad_clip_is_applied_to_the_step(data_dir, tmp_path, monkeypatch):
 
 
 def test_best_checkpoint_survives_resume(data_dir, tmp_path, monkeypatch):
-    """best.pt holds the best val loss so far across a kill and --resume: the resumed run starts from the
-    best val the checkpoint recorded (not from +inf, nor from the last eval's val), so a later eval that is
-    worse than the best never replaces best.pt; a better one still does. Val losses are scripted."""
+    """best.pt holds the best val loss so far across a kill and --resume: the resumed run starts
+    from the best val the checkpoint recorded (not from +inf, nor from the last eval's val), so a
+    later eval that is worse than the best never replaces best.pt; a better one still does. Val
+    losses are scripted."""
     vals = iter([30.0, 10.0, 20.0,  # first run: steps 0, 5, 10 (best at 5), killed at 13
                  15.0, 12.0,        # resumed: steps 15, 20, both worse than the best
                  5.0])              # continued to 25: better
@@ -1310,11 +1357,12 @@ def test_best_checkpoint_survives_resume(data_dir, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("model", ["gpt", "tsa"])
 def test_train_steps_at_the_models_lr_schedule(model, data_dir, tmp_path, monkeypatch):
-    """Every step trains at the schedule's lr for that very step (TSA: its own lr_at, the hard phase's
-    restart included), in every param group, not only in the logged number."""
+    """Every step trains at the schedule's lr for that very step (TSA: its own lr_at, the hard
+    phase's restart included), in every param group, not only in the logged number."""
     monkeypatch.setattr(train, "summary", lambda *a: None)
     extra = ["--hard_ft_iters=4", "--hard_ft_lr=1e-3"] if model == "tsa" else []
-    run([f"--model={model}", "--max_iters=12", "--eval_interval=6", "--learning_rate=2e-3", *extra], data_dir, tmp_path)
+    run([f"--model={model}", "--max_iters=12", "--eval_interval=6", "--learning_rate=2e-3", *extra],
+        data_dir, tmp_path)
     saved = json.load(open(tmp_path / "config.json"))
     module = __import__(train.MODELS[model])
     cfg = module.Config(**saved)
@@ -1323,11 +1371,13 @@ def test_train_steps_at_the_models_lr_schedule(model, data_dir, tmp_path, monkey
     lrs = {r["step"]: r["lr"] for r in records(tmp_path) if r["kind"] == "train"}
     assert sorted(lrs) == list(range(12))
     assert [lrs[it] for it in range(12)] == pytest.approx([sched(it) for it in range(12)], rel=1e-9)
-    assert lrs[0] == pytest.approx(2e-3 / 4) and lrs[4] == pytest.approx(2e-3)  # warm-up 4 (run's default)
+    # warm-up 4 (run's default)
+    assert lrs[0] == pytest.approx(2e-3 / 4) and lrs[4] == pytest.approx(2e-3)
     if model == "tsa":
         assert lrs[8] == pytest.approx(1e-3)  # the hard phase's restart at hard_ft_lr
     groups = common.load_checkpoint(str(tmp_path / "ckpt.pt"))["optimizer"]["param_groups"]
-    assert len(groups) == 2 and [g["lr"] for g in groups] == pytest.approx([sched(11)] * 2, rel=1e-9)
+    assert len(groups) == 2 \
+        and [g["lr"] for g in groups] == pytest.approx([sched(11)] * 2, rel=1e-9)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -1345,17 +1395,20 @@ def test_cli_bad_input_is_one_line(argv, message, data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         run(argv, data_dir, tmp_path)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and err.count("\n") == 1 and err.startswith("error: ")
+    assert e.value.code == 2 and message in err and err.count("\n") == 1 \
+        and err.startswith("error: ")
 
 
 def test_cli_end_to_end_subprocess(data_dir, tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "--model=gpt", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-                          "--n_layer=1", "--n_embd=32", "--n_head=2", "--max_iters=3", "--eval_iters=1",
-                          "--compile=false"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "train.py", "--model=gpt", f"--data_dir={data_dir}",
+                          f"--out_dir={tmp_path}", "--n_layer=1", "--n_embd=32", "--n_head=2",
+                          "--max_iters=3", "--eval_iters=1", "--compile=false"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "step 3: train loss" in out.stdout and "sample:" in out.stdout
     assert json.load(open(tmp_path / "config.json"))["n_layer"] == 1
-    bad = subprocess.run([sys.executable, "train.py", "--model=nope"], cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "train.py", "--model=nope"], cwd=ROOT,
+                         capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "error: unknown model 'nope'; choose one of gpt, tsa, dtrnet, conddepth, hybrid, mod")
 
@@ -1363,19 +1416,20 @@ def test_cli_end_to_end_subprocess(data_dir, tmp_path):
 @pytest.mark.parametrize("model", ["gpt", "tsa", "dtrnet", "conddepth", "hybrid", "mod"])
 def test_compile_trains_every_model_like_eager(model, data_dir, tmp_path):
     """--compile=true runs train.py end to end (train steps, a mode switch, evals, the summary's
-    sparse pass) and gives eager's losses: a compile that breaks or changes a model fails here. What is
-    supported where: every model on CPU and MPS; on CUDA every model but DTRNet, which refuses --compile there
-    with a one-line error that says why (its module's COMPILE_REFUSED)."""
+    sparse pass) and gives eager's losses: a compile that breaks or changes a model fails here. What
+    is supported where: every model on CPU and MPS; on CUDA every model but DTRNet, which refuses
+    --compile there with a one-line error that says why (its module's COMPILE_REFUSED)."""
     device = common.pick_device("auto").type  # what train.py picks on this machine
-    refused = getattr(importlib.import_module(train.MODELS[model]), "COMPILE_REFUSED", {}).get(device)
+    refused = getattr(importlib.import_module(train.MODELS[model]), "COMPILE_REFUSED",
+                      {}).get(device)
     # the fewest layers that still route (a cold compile's time grows with the layers traced)
     layers = {"dtrnet": ["--n_layer=3"], "hybrid": ["--n_layer=2", "--pattern=G R"],
               "tsa": ["--n_layer=2", "--hard_ft_iters=2"]}.get(model, ["--n_layer=2"])
     argv = [f"--model={model}", f"--data_dir={data_dir}", *layers, "--n_embd=32", "--n_head=2",
             "--block_size=32", "--batch_size=4", "--max_iters=4", "--eval_interval=2",
             "--eval_iters=1"]
-    out = subprocess.run([sys.executable, "train.py", *argv, f"--out_dir={tmp_path / 'c'}", "--compile=true"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "train.py", *argv, f"--out_dir={tmp_path / 'c'}",
+                          "--compile=true"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # as a user starts it
     if refused:
         assert out.returncode == 2 and out.stderr.strip() == (
@@ -1390,9 +1444,10 @@ def test_compile_trains_every_model_like_eager(model, data_dir, tmp_path):
 
 def test_ddp_two_processes_on_cpu(data_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=1",
-                          "--n_embd=32", "--n_head=2", "--block_size=32", "--max_iters=4", "--eval_interval=2",
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", "train.py", f"--data_dir={data_dir}",
+                          f"--out_dir={tmp_path}", "--n_layer=1", "--n_embd=32", "--n_head=2",
+                          "--block_size=32", "--max_iters=4", "--eval_interval=2",
                           "--eval_iters=1", "--device=cpu"], cwd=ROOT, env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -1407,9 +1462,10 @@ def test_ddp_two_processes_on_cpu(data_dir, tmp_path):
 
 
 def test_a_finished_ddp_worker_skips_the_interpreter_teardown(data_dir, tmp_path):
-    """DDP keeps gloo's worker threads alive past destroy_process_group, and one that frees a collective's tensors
-    during the interpreter's teardown aborts the worker (SIGABRT; 3 of 165 runs on a loaded 2-core machine). So a
-    finished worker leaves with os._exit(0): no atexit handler runs, and its output and files are complete."""
+    """DDP keeps gloo's worker threads alive past destroy_process_group, and one that frees a
+    collective's tensors during the interpreter's teardown aborts the worker (SIGABRT; 3 of 165 runs
+    on a loaded 2-core machine). So a finished worker leaves with os._exit(0): no atexit handler
+    runs, and its output and files are complete."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1418,10 +1474,11 @@ def test_a_finished_ddp_worker_skips_the_interpreter_teardown(data_dir, tmp_path
             "train.main(sys.argv[1:]); print('main returned')")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    out = subprocess.run([sys.executable, "-c", code, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=1",
-                          "--n_embd=32", "--n_head=2", "--block_size=32", "--max_iters=2", "--eval_interval=2",
-                          "--eval_iters=1", "--device=cpu"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, f"--data_dir={data_dir}",
+                          f"--out_dir={tmp_path}", "--n_layer=1", "--n_embd=32", "--n_head=2",
+                          "--block_size=32", "--max_iters=2", "--eval_interval=2",
+                          "--eval_iters=1", "--device=cpu"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "1 process(es)" in out.stdout and "step 2: train loss" in out.stdout
     assert "teardown ran" not in out.stdout and "main returned" not in out.stdout
@@ -1432,26 +1489,35 @@ def test_bench_gpt_quick_smoke(tmp_path):
     import bench
     rows = bench.main(["gpt", "--quick", "--repeats=1", f"--json={tmp_path / 'b.json'}"])
     assert {r["what"] for r in rows} == {"graphs", "forward", "train_step", "decode"}
-    assert all(r["speed_ratio_ours_vs_plain"] > 0 for r in rows if r["what"] in ("forward", "train_step"))
+    assert all(r["speed_ratio_ours_vs_plain"] > 0
+               for r in rows if r["what"] in ("forward", "train_step"))
     assert [r["B"] for r in rows if r["what"] == "decode"] == [1, 8]
-    assert all(r["tokens_per_s"] > 0 and r["dense_tokens_per_s"] > 0 for r in rows if r["what"] == "decode")
-    assert all(r["flops_ideal"] == 1.0 for r in rows if r["what"] == "decode")  # the same model twice
+    assert all(r["tokens_per_s"] > 0 and r["dense_tokens_per_s"] > 0
+               for r in rows if r["what"] == "decode")
+    # the same model twice
+    assert all(r["flops_ideal"] == 1.0 for r in rows if r["what"] == "decode")
     assert json.load(open(tmp_path / "b.json"))["rows"][0]["suite"] == "gpt"
 
 
 def test_bench_crossover_is_where_sparse_wins_from_then_on():
     import bench
-    sweep = lambda speeds: [{"suite": "s", "B": B, "T": 8, "x": v} for B, v in zip((4, 1, 2, 8), speeds)]
-    assert bench.crossover(sweep([1.2, 0.9, 1.1, 1.3]), "x")["sparse_faster_from_BT"] == 16  # B=1 loses, then wins
-    assert bench.crossover(sweep([0.9, 1.1, 1.2, 1.3]), "x")["sparse_faster_from_BT"] == 64  # B=4 loses again
-    assert bench.crossover(sweep([1.2, 1.1, 1.1, 0.99]), "x")["sparse_faster_from_BT"] == "none_measured"
+    sweep = lambda speeds: [{"suite": "s", "B": B, "T": 8, "x": v}
+                            for B, v in zip((4, 1, 2, 8), speeds)]
+    # B=1 loses, then wins
+    assert bench.crossover(sweep([1.2, 0.9, 1.1, 1.3]), "x")["sparse_faster_from_BT"] == 16
+    # B=4 loses again
+    assert bench.crossover(sweep([0.9, 1.1, 1.2, 1.3]), "x")["sparse_faster_from_BT"] == 64
+    assert bench.crossover(sweep([1.2, 1.1, 1.1, 0.99]), "x")["sparse_faster_from_BT"] \
+        == "none_measured"
     row = bench.crossover(sweep([1.2, 0.9, 1.1, 1.3]), "x", mode="m")
-    assert row["B_T"] == "1x8/2x8/4x8/8x8" and row["speedups"] == "0.900/1.100/1.200/1.300" and row["mode"] == "m"
+    assert row["B_T"] == "1x8/2x8/4x8/8x8" and row["speedups"] == "0.900/1.100/1.200/1.300" \
+        and row["mode"] == "m"
 
 
 @pytest.mark.parametrize("suite", ["tsa", "dtrnet", "conddepth", "hybrid", "mod"])
 def test_bench_paper_suites_quick_smoke(suite):
-    """Every paper's benchmark runs and reports positive timings (numbers themselves go in results/)."""
+    """Every paper's benchmark runs and reports positive timings
+    (numbers themselves go in results/)."""
     import bench
     rows = bench.main([suite, "--quick", "--repeats=1"])
     assert rows and all(r["suite"] == suite for r in rows)
@@ -1465,7 +1531,7 @@ def test_bench_paper_suites_quick_smoke(suite):
         assert all(r["flops_ideal"] > 1.0 for r in decode), decode
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # cached decoding, the device matrix and the window policy shared by every model
 
 def sampled_probs(monkeypatch, logits, **kw):
@@ -1493,7 +1559,8 @@ def test_sampling_top_k_keeps_exactly_the_k_largest(monkeypatch, k):
     k at or above the vocabulary keeps everything."""
     logits = torch.tensor([[0.3, 2.0, -1.0, 1.5, 0.0], [1.0, -2.0, 0.5, 3.0, 2.5]])
     probs = sampled_probs(monkeypatch, logits, temperature=0.7, top_k=k)
-    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(min(k, 5)).indices, True)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(
+        1, logits.topk(min(k, 5)).indices, True)
     want = torch.softmax((logits / 0.7).masked_fill(~keep, float("-inf")), -1)
     assert ((probs > 0).sum(-1) == min(k, 5)).all()
     assert torch.allclose(probs, want, atol=1e-6)
@@ -1522,10 +1589,12 @@ def test_window_start_keeps_between_half_and_full_block():
         ws = [common.window_start(n, bs) for n in range(1, 5 * bs)]
         assert ws[:bs] == [0] * bs
         for n, w in enumerate(ws, start=1):
-            assert min(n, h) <= n - w <= bs  # never longer than block_size, never shorter than h once full
+            # never longer than block_size, never shorter than h once full
+            assert min(n, h) <= n - w <= bs
         assert all(b >= a for a, b in zip(ws, ws[1:]))  # the window only moves forward
         restarts = [n for n in range(bs + 1, 5 * bs) if ws[n - 1] != ws[n - 2]]
-        assert all(n - common.window_start(n, bs) == h for n in restarts)  # a restart keeps exactly h tokens
+        # a restart keeps exactly h tokens
+        assert all(n - common.window_start(n, bs) == h for n in restarts)
 
 
 
@@ -1596,8 +1665,9 @@ def test_cli_errors_are_one_line_exit_2(capsys):
     assert seen == [["--a", "b"]]
 
 def sharp(model):
-    """Weights of std 0.2 instead of GPT's 0.02: logits that depend strongly on every key, so a wrong cache
-    entry moves them far beyond bf16's tolerance (at the default init the logits are nearly uniform)."""
+    """Weights of std 0.2 instead of GPT's 0.02: logits that depend strongly on every key, so a
+    wrong cache entry moves them far beyond bf16's tolerance (at the default init the logits are
+    nearly uniform)."""
     torch.manual_seed(0)
     for p in model.parameters():
         if p.dim() >= 2:
@@ -1658,7 +1728,8 @@ def test_gpt_cached_generate_equals_cache_free_past_block_size(dev):
     assert a.shape == (2, 33)
     if not dev.low:
         assert torch.equal(a, b)
-    for row in range(2):  # bf16: rounding may flip a near-tie; where the two first differ, it must be one
+    # bf16: rounding may flip a near-tie; where the two first differ, it must be one
+    for row in range(2):
         diff = (a[row] != b[row]).nonzero()
         if len(diff):
             j = int(diff[0])
@@ -1686,11 +1757,13 @@ def test_kv_cache_is_preallocated_and_typed_from_its_first_kv():
     assert cache.k.shape == (2, 2, 8, 4) and cache.k.dtype == torch.bfloat16
     ptr = cache.k.data_ptr()
     k2, v2 = cache.append(torch.tensor(3), k[:, :, :1] + 1, k[:, :, :1])
-    assert k2.shape == (2, 2, 8, 4) and cache.k.data_ptr() == ptr  # written in place, no re-allocation
-    assert torch.equal(k2[:, :, 3], k[:, :, 0] + 1) and torch.equal(k2[:, :, :3], k)  # at pos, the past kept
+    # written in place, no re-allocation
+    assert k2.shape == (2, 2, 8, 4) and cache.k.data_ptr() == ptr
+    # at pos, the past kept
+    assert torch.equal(k2[:, :, 3], k[:, :, 0] + 1) and torch.equal(k2[:, :, :3], k)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the routing picture
 
 def test_render_routing_text_and_html(tmp_path):
@@ -1698,32 +1771,39 @@ def test_render_routing_text_and_html(tmp_path):
     idx = [1, 2, 3, 4, 0, 1, 2]  # "abc \nab"
     m = torch.tensor([[1.0, 0, 1, 0, 0, 1, 0], [0.0, 0, 0, 0, 0, 0, 1]])
     path = str(tmp_path / "r" / "routing.html")
-    text = train.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo", path,
-                                 color=False)
+    text = train.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo",
+                                 path, color=False)
     lines = text.splitlines()
-    assert lines[2:4] == ["abc ⏎", "#.#.."] and lines[4:6] == ["ab", "#."]  # text, then a marker per character
+    # text, then a marker per character
+    assert lines[2:4] == ["abc ⏎", "#.#.."] and lines[4:6] == ["ab", "#."]
     assert "layer 2: costly 14%" in text
     page = open(path, encoding="utf-8").read()
-    assert page.count("<pre>") == 2 and "http" not in page and "<script" not in page  # self-contained
+    # self-contained
+    assert page.count("<pre>") == 2 and "http" not in page and "<script" not in page
     assert 'title="1.00">a</span>' in page and "cheap" in page and "costly" in page
-    colored = train.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"), "demo")
+    colored = train.render_routing(meta, idx, m, ["layer 1", "layer 2"], ("cheap", "costly"),
+                                   "demo")
     assert "\x1b[" in colored and "#" not in colored.split("\n", 1)[1]
 
 
-@pytest.mark.skipif(not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
+@pytest.mark.skipif(not any(shutil.which(b)
+                            for b in ("chromium", "chromium-browser", "google-chrome")),
                     reason="no headless browser installed")
 def test_routing_html_renders_in_a_headless_browser(tmp_path):
-    browser = next(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b))
+    browser = next(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")
+                   if shutil.which(b))
     meta = {"dataset": "shakespeare", "itos": list("\nabc ")}
     path = tmp_path / "routing.html"
-    train.render_routing(meta, [1, 2, 3] * 60, torch.rand(3, 180), ["l1", "l2", "l3"], ("a", "b"), "t", str(path))
+    train.render_routing(meta, [1, 2, 3] * 60, torch.rand(3, 180), ["l1", "l2", "l3"], ("a", "b"),
+                         "t", str(path))
     shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                    f"--screenshot={shot}", "--window-size=900,900", path.as_uri()], timeout=60, capture_output=True)
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                    "--disable-background-networking", f"--screenshot={shot}",
+                    "--window-size=900,900", path.as_uri()], timeout=60, capture_output=True)
     assert shot.exists() and shot.stat().st_size > 5000
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the end of a run, --sample, bad input
 
 def test_run_ends_with_a_summary_and_keeps_the_best_checkpoint(data_dir, tmp_path, capsys):
@@ -1739,15 +1819,17 @@ def test_run_ends_with_a_summary_and_keeps_the_best_checkpoint(data_dir, tmp_pat
 def test_sample_from_a_run(data_dir, tmp_path, capsys):
     run(["--max_iters=5"], data_dir, tmp_path / "gpt")
     capsys.readouterr()
-    # sampled on the CPU: the same text by two computations is exact there (CUDA's bf16 may break a near-tie)
-    train.main(["--sample", str(tmp_path / "gpt"), "--prompt", "ROMEO:", "--num_tokens=20", "--temperature", "0",
-                "--device=cpu"])
+    # sampled on the CPU: the same text by two computations is exact there (CUDA's bf16 may break
+    # a near-tie)
+    train.main(["--sample", str(tmp_path / "gpt"), "--prompt", "ROMEO:", "--num_tokens=20",
+                "--temperature", "0", "--device=cpu"])
     out = capsys.readouterr().out
     assert "sample:\nROMEO:" in out and "20 tokens" in out and "KV-cached" in out
     cached = out.split("sample:\n")[1]
-    train.main(["--sample", str(tmp_path / "gpt"), "--prompt", "ROMEO:", "--num_tokens=20", "--temperature=0", "--dense",
-                "--device=cpu"])
-    assert capsys.readouterr().out.split("sample:\n")[1] == cached  # the cache changes the speed, not the text
+    train.main(["--sample", str(tmp_path / "gpt"), "--prompt", "ROMEO:", "--num_tokens=20",
+                "--temperature=0", "--dense", "--device=cpu"])
+    # the cache changes the speed, not the text
+    assert capsys.readouterr().out.split("sample:\n")[1] == cached
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -1760,12 +1842,14 @@ def test_sample_from_a_run(data_dir, tmp_path, capsys):
 def test_sample_bad_input_is_one_line(argv, message, data_dir, tmp_path, capsys):
     run(["--max_iters=0"], data_dir, tmp_path / "gpt")
     (tmp_path / "empty").mkdir()
-    argv = [a.replace("{tmp}", str(tmp_path / "gpt")).replace("{empty}", str(tmp_path / "empty")) for a in argv]
+    argv = [a.replace("{tmp}", str(tmp_path / "gpt")).replace("{empty}", str(tmp_path / "empty"))
+            for a in argv]
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         train.main(argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and err.count("\n") == 1 and err.startswith("error: ")
+    assert e.value.code == 2 and message in err and err.count("\n") == 1 \
+        and err.startswith("error: ")
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -1783,7 +1867,8 @@ def test_bad_numbers_are_one_line_and_write_nothing(argv, message, data_dir, tmp
     with pytest.raises(SystemExit) as e:
         run(argv, data_dir, tmp_path / "run")
     err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and err.count("\n") == 1 and err.startswith("error: ")
+    assert e.value.code == 2 and message in err and err.count("\n") == 1 \
+        and err.startswith("error: ")
     assert not (tmp_path / "run").exists()
 
 

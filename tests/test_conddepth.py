@@ -1,5 +1,6 @@
-"""Tests for conddepth.py (conditional depth routing, arXiv:2604.17228). Tiny configs; < 60 s on 2 CPU cores.
-Each test says which bug it guards against; every one was planted and seen to fail (see results/conddepth.md)."""
+"""Tests for conddepth.py (conditional depth routing, arXiv:2604.17228).
+Tiny configs; < 60 s on 2 CPU cores. Each test says which bug it guards against; every one was
+planted and seen to fail (see results/conddepth.md)."""
 import json
 import math
 
@@ -16,21 +17,23 @@ V = 40
 
 
 def tiny(**kw):
-    base = dict(n_layer=3, n_embd=32, n_head=2, block_size=32, vocab_size=V, n_controlled=2, cheap_rank=4,
-                d_c=16, d_a=4, d_s=8, pred_hidden=8)
+    base = dict(n_layer=3, n_embd=32, n_head=2, block_size=32, vocab_size=V, n_controlled=2,
+                cheap_rank=4, d_c=16, d_a=4, d_s=8, pred_hidden=8)
     base.update(kw)
     return cd.Config(**base)
 
 
 def make(dtype=torch.float64, seed=0, randomize_cheap=True, **kw):
-    """A model whose cheap path is NOT the identity (W_down randomised), so routing changes the output."""
+    """A model whose cheap path is NOT the identity (W_down randomised),
+    so routing changes the output."""
     torch.manual_seed(seed)
     m = cd.Model(tiny(**kw)).to(dtype)
     with torch.no_grad():
         if randomize_cheap:
             for ffn in m.cheap:
                 ffn.down.weight.normal_(0, 0.5)
-        for name, p in m.named_parameters():  # bias=True: nonzero biases (init gives 0), so that one lost counts
+        # bias=True: nonzero biases (init gives 0), so that one lost counts
+        for name, p in m.named_parameters():
             if m.cfg.bias and name.endswith("bias") and name.startswith(("blocks.", "ln_f.")):
                 p.normal_(0, 0.2)
     return m
@@ -43,7 +46,8 @@ def data(B=3, T=32, seed=1, device="cpu"):
 
 
 def calibrated(m, n=3, B=4):
-    """θ from a few batches of training's top-k routing (what a training run leaves in the checkpoint)."""
+    """θ from a few batches of training's top-k routing
+    (what a training run leaves in the checkpoint)."""
     T, dev, was_training = m.cfg.block_size, m.wte.weight.device, m.training
     m.threshold_batches.zero_()  # θ restarts: the first batch's cut, then the running average
     with torch.no_grad():
@@ -75,13 +79,15 @@ def replay(m, x):
             u = g.head[-1](F.silu(g.head[0](torch.cat([qf, qc, qf - qc], -1))))[..., 0]  # (13)
         mask = cd.topk_mask(u, cd.budget_k(cfg.rho, x.size(1)))
         h_full, h_cheap = a + block.ffn_delta(a), a + m.cheap[j](a)     # eqs. (2), (3)
-        out.append(dict(a=a, u=u, qf=qf, qc=qc, m=mask, p=torch.sigmoid(u / cfg.tau), h_full=h_full, h_cheap=h_cheap))
+        out.append(dict(a=a, u=u, qf=qf, qc=qc, m=mask, p=torch.sigmoid(u / cfg.tau),
+                        h_full=h_full, h_cheap=h_cheap))
         h = torch.where(mask[..., None], h_full, h_cheap)               # eq. (9)'s forward value
     return out
 
 
 def scored(m, *args, **kw):
-    """m(*args, **kw) and each controlled layer's score u (B, T), detached, as that forward's routing saw it."""
+    """m(*args, **kw) and each controlled layer's score u (B, T), detached,
+    as that forward's routing saw it."""
     seen, controller = [], m.controller
 
     def spy(*a):
@@ -92,7 +98,8 @@ def scored(m, *args, **kw):
         out = m(*args, **kw)
     finally:
         del m.controller
-    return out, [u.detach() for u, _ in seen[:m.cfg.n_controlled]]  # eval with targets also runs the top-k
+    # eval with targets also runs the top-k
+    return out, [u.detach() for u, _ in seen[:m.cfg.n_controlled]]
 
 
 def agree(a_masks, b_masks):
@@ -100,7 +107,7 @@ def agree(a_masks, b_masks):
     return torch.stack([(a == b).all(-1) for a, b in zip(a_masks, b_masks)]).all(0)
 
 
-# ---- config ----------------------------------------------------------------------------------------
+# ---- config --------------------------------------------------------------------------------------
 
 RECIPE_LIST = "G1, G3, A1, A2, A3-G1, A3-G3, A4-0.25, A4-2"
 
@@ -137,19 +144,23 @@ def test_recipes_set_the_paper_flags_and_refuse_contradictions():
     assert (a3.gate, a3.lam_util, a3.lam_rank, a3.lam_jepa) == ("G1", 0.0, 0.0, 1.0)
     assert tiny(recipe="A2").shuffle_targets and tiny(recipe="A4-0.25").lam_jepa == 0.25
     assert tiny(recipe="A1", lam_jepa=0.0).lam_jepa == 0.0  # agreeing is fine
-    with pytest.raises(common.NanorouteError, match="recipe A1 sets lam_jepa=0.0; lam_jepa=0.5 contradicts it"):
+    with pytest.raises(common.NanorouteError,
+                       match="recipe A1 sets lam_jepa=0.0; lam_jepa=0.5 contradicts it"):
         tiny(recipe="A1", lam_jepa=0.5)  # used to give 0 silently
     with pytest.raises(common.NanorouteError):
         tiny(recipe="A3-G3", gate="G1")
-    # a flag that repeats the standard recipe's value contradicts a recipe too (it used to pass as a default)
-    with pytest.raises(common.NanorouteError, match="recipe A3-G1 sets gate=G1; gate=G3 contradicts it"):
+    # a flag that repeats the standard recipe's value contradicts a recipe too (it used to pass as
+    # a default)
+    with pytest.raises(common.NanorouteError,
+                       match="recipe A3-G1 sets gate=G1; gate=G3 contradicts it"):
         tiny(recipe="A3-G1", gate="G3")
     with pytest.raises(common.NanorouteError, match="recipe A1 sets lam_jepa=0.0; lam_jepa=1.0"):
         tiny(recipe="A1", lam_jepa=1.0)
     with pytest.raises(common.NanorouteError, match="recipe G1 sets shuffle_targets=False"):
         tiny(recipe="G1", shuffle_targets=True)
     std = tiny()  # no recipe: the standard one, each field given on its own
-    assert (std.gate, std.lam_jepa, std.lam_util, std.lam_rank, std.shuffle_targets) == ("G3", 1.0, 1.0, 0.2, False)
+    assert (std.gate, std.lam_jepa, std.lam_util, std.lam_rank, std.shuffle_targets) == (
+        "G3", 1.0, 1.0, 0.2, False)
     assert (tiny(gate="G1", lam_util=0.5).gate, tiny(lam_util=0.5).lam_util) == ("G1", 0.5)
     saved = tiny(recipe="A3-G1")  # a saved config (its fields resolved) loads again as it was
     assert cd.Config(**vars(saved)) == saved
@@ -165,15 +176,18 @@ def test_sparse_forward_in_training_is_refused():
 
 def test_classroom_preset_trains_jointly_from_scratch():
     cfg = cd.Config(**cd.PRESETS["classroom"])
-    assert not cfg.controller_only and cfg.lam_util == cfg.lam_rank == 0 and cfg.n_controlled < cfg.n_layer
+    assert (not cfg.controller_only and cfg.lam_util == cfg.lam_rank == 0
+            and cfg.n_controlled < cfg.n_layer)
     assert all(getattr(cfg, k) == v for k, v in common.CLASSROOM.items())
 
 
 def test_controller_only_needs_a_trained_start():
-    """From scratch (no init_from) a frozen random backbone would only hold the routers back (loss 4.16
-    where the GPT reaches 3.24): the default trains everything; with init_from the backbone is frozen."""
+    """From scratch (no init_from) a frozen random backbone would only hold the routers back (loss
+    4.16 where the GPT reaches 3.24): the default trains everything;
+    with init_from the backbone is frozen."""
     assert not tiny().controller_only and not tiny(controller_only=True).controller_only
-    assert tiny(init_from="ckpt.pt").controller_only and not tiny(init_from="x", controller_only=False).controller_only
+    assert (tiny(init_from="ckpt.pt").controller_only
+            and not tiny(init_from="x", controller_only=False).controller_only)
     m = make()
     assert all(p.requires_grad for n, p in m.named_parameters() if ".target." not in n)
 
@@ -195,11 +209,13 @@ def test_cli_help_and_one_line_errors(capsys):
         "G1       0.547, 3.656", "G3       0.553, 3.686", "A1       0.553, 3.686",
         "A2       0.553, 3.686", "A3-G1    0.547, 1.063", "A3-G3    0.553, 1.093",
         "A4-0.25  0.553, 3.686", "A4-2     0.553, 3.686"]
-    r = subprocess.run([sys.executable, cd.__file__, "--preset=paper"], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+    r = subprocess.run([sys.executable, cd.__file__, "--preset=paper"], capture_output=True,
+                       text=True)
+    assert (r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: ")
+            and r.stderr.count("\n") == 1)
 
 
-# ---- the model contract on every device × dtype ----------------------------------------------------
+# ---- the model contract on every device × dtype --------------------------------------------------
 
 @pytest.mark.parametrize("gate", ["G1", "G3"])
 @pytest.mark.parametrize("mode", ["causal", "topk"])
@@ -216,8 +232,10 @@ def test_sparse_equals_dense_hard(dev, gate, mode, bias):
     atol, rtol = dev.tol()
     torch.testing.assert_close(sparse[rows].float(), dense[rows].float(), atol=atol, rtol=rtol)
     counts = [mk.sum(-1) for mk in dense_masks]
-    if mode == "causal":  # rows route different numbers of tokens: the unequal case really is exercised
-        assert any(len(set(c.tolist())) > 1 for c in counts) and all(0 < c.sum() < x.numel() for c in counts)
+    # rows route different numbers of tokens: the unequal case really is exercised
+    if mode == "causal":
+        assert (any(len(set(c.tolist())) > 1 for c in counts)
+                and all(0 < c.sum() < x.numel() for c in counts))
     assert abs(st["lm_loss"] - st_sparse["lm_loss"]) < (0.05 if dev.low else 1e-5)
     # routing matters: all-full gives other logits, so the comparison is not vacuous
     m.thresholds.fill_(-math.inf)
@@ -272,7 +290,8 @@ def test_eval_is_causal_training_topk_is_not(dev):
             a, b = m(x, sparse=sparse)[0].float(), m(x2, sparse=sparse)[0].float()
             torch.testing.assert_close(a[:, :16], b[:, :16], atol=atol / 10, rtol=rtol / 10)
             assert not torch.allclose(a[:, 16:], b[:, 16:], atol=atol)
-        m.train()  # honest: training's exact top-k over the sequence lets future tokens move earlier outputs
+        # honest: training's exact top-k over the sequence lets future tokens move earlier outputs
+        m.train()
         assert not torch.allclose(m(x)[0][:, :16].float(), m(x2)[0][:, :16].float(), atol=atol)
         m.mode = "topk"  # and so does the paper's top-k evaluation
         m.eval()
@@ -293,8 +312,8 @@ def test_prefill_and_step_equal_the_full_forward(dev, bias):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_batch_one_decoding_takes_one_path_per_layer(dev, bias):
-    """B = 1: the whole batch is one token, so each controlled layer runs the full FFN alone or the cheap alone
-    (the host decides which); both must equal the full forward."""
+    """B = 1: the whole batch is one token, so each controlled layer runs the full FFN alone or the
+    cheap alone (the host decides which); both must equal the full forward."""
     m = calibrated(make(torch.float32, gate="G3", block_size=16, bias=bias)).to(dev.device).eval()
     x, _ = data(B=1, T=16, seed=3, device=dev.device)
     with dev.autocast():
@@ -302,8 +321,8 @@ def test_batch_one_decoding_takes_one_path_per_layer(dev, bias):
     atol, rtol = dev.tol()
     close = torch.isclose(steps, full, atol=atol, rtol=rtol).all(-1)  # (1, 15)
     assert close.float().mean() >= (0.9 if dev.low else 1.0) and close[:, 0].all()
-    decided = torch.stack(m.last_masks)[:, 0, 1:]                    # (C, 15) decisions of the decoded tokens
-    assert decided.any(1).all() and (~decided).any(1).all()           # every layer ran each path alone
+    decided = torch.stack(m.last_masks)[:, 0, 1:]  # (C, 15) decisions of the decoded tokens
+    assert decided.any(1).all() and (~decided).any(1).all()  # every layer ran each path alone
 
 
 def test_cached_generate_equals_cache_free_past_block_size(dev):
@@ -330,7 +349,8 @@ def test_cached_generate_equals_cache_free_past_block_size(dev):
 
 
 def test_residual_stream_stays_fp32_in_every_path(dev):
-    """Numerics policy: under autocast every delta is cast to the fp32 residual where it is added."""
+    """Numerics policy: under autocast every delta is cast to the fp32 residual
+    where it is added."""
     m = calibrated(make(torch.float32, block_size=16)).to(dev.device)
     seen = []
     for mod in (*[b.ln_1 for b in m.blocks], *[b.ln_2 for b in m.blocks], m.ln_f):
@@ -356,13 +376,15 @@ def test_training_step_is_finite_and_reaches_the_routers(dev, gate):
     assert torch.isfinite(loss) and stats["label_step"] == 1
     for mod in (*m.gates, *m.cheap):
         grads = [p.grad for p in mod.parameters() if p.requires_grad]
-        assert all(g is not None and torch.isfinite(g).all() for g in grads) and sum(g.abs().sum() for g in grads) > 0
+        assert (all(g is not None and torch.isfinite(g).all() for g in grads)
+                and sum(g.abs().sum() for g in grads) > 0)
     assert torch.isfinite(m.thresholds).all()
 
 
-# ---- routing: top-k in training, causal thresholds θ at inference ---------------------------------
+# ---- routing: top-k in training, causal thresholds θ at inference --------------------------------
 
-@pytest.mark.parametrize("rho,T,k", [(0.3, 10, 3), (0.5, 32, 16), (0.25, 13, 4), (1.0, 7, 7), (0.01, 20, 1)])
+@pytest.mark.parametrize("rho,T,k", [(0.3, 10, 3), (0.5, 32, 16), (0.25, 13, 4), (1.0, 7, 7),
+                                     (0.01, 20, 1)])
 def test_training_routes_exact_topk_whatever_the_thresholds(rho, T, k):
     assert cd.budget_k(rho, T) == k == math.ceil(round(rho * T, 9))
     m = make(rho=rho).train()
@@ -376,25 +398,29 @@ def test_training_routes_exact_topk_whatever_the_thresholds(rho, T, k):
 
 
 def test_topk_at_ties_keeps_exactly_k():
-    """Eq. (7): exactly k = ⌈ρT⌉ tokens run full, also when scores tie at the cut (a rule 'u >= the k-th
-    score' would run every tied token full)."""
+    """Eq. (7): exactly k = ⌈ρT⌉ tokens run full, also when scores tie at the cut (a rule 'u >= the
+    k-th score' would run every tied token full)."""
     u = torch.tensor([[0.0] * 8, [3.0, 1.0, 1.0, 1.0, 1.0, -2.0, 5.0, 1.0]])
     m = cd.topk_mask(u, cd.budget_k(0.5, 8))
     assert m.sum(-1).tolist() == [4, 4]
-    assert m[1, 0] and m[1, 6] and not m[1, 5] and m[1, [1, 2, 3, 4, 7]].sum() == 2  # 2 of the 5 tied at the cut
+    # 2 of the 5 tied at the cut
+    assert m[1, 0] and m[1, 6] and not m[1, 5] and m[1, [1, 2, 3, 4, 7]].sum() == 2
 
 
 @pytest.mark.parametrize("gate", ["G1", "G3"])
 def test_inference_rule_is_strict_at_the_threshold(gate):
-    """Inference: full iff u > θ_l (strict): a token whose score equals θ_l exactly takes the cheap FFN, in the
-    dense-hard forward, the sparse forward and the decode step (B = 1 and B = 2) alike."""
+    """Inference: full iff u > θ_l (strict): a token whose score equals θ_l exactly takes the cheap
+    FFN, in the dense-hard forward, the sparse forward
+    and the decode step (B = 1 and B = 2) alike."""
     m = make(gate=gate, block_size=16).eval()
     x = data(B=2, T=16, seed=5)[0]
     u = scored(m, x)[1]
     t = 9
     with torch.no_grad():
-        m.thresholds.copy_(torch.stack([u[0][0, t], u[1].median()]))  # layer 1's θ = token (0, t)'s score
-        u = scored(m, x)[1]                                          # layer 2's scores follow layer 1's routing
+        # layer 1's θ = token (0, t)'s score
+        m.thresholds.copy_(torch.stack([u[0][0, t], u[1].median()]))
+        # layer 2's scores follow layer 1's routing
+        u = scored(m, x)[1]
         m.thresholds[1] = u[1][0, t]
         dense = m(x)[0]
         masks = m.last_masks
@@ -404,16 +430,17 @@ def test_inference_rule_is_strict_at_the_threshold(gate):
         torch.testing.assert_close(m(x, sparse=True)[0], dense, atol=1e-12, rtol=0)
         for B in (1, 2):
             _, state = m.prefill(x[:B, :t])
-            torch.testing.assert_close(m.step(x[:B, t:t + 1], state)[0], dense[:B, t], atol=1e-12, rtol=0)
+            torch.testing.assert_close(m.step(x[:B, t:t + 1], state)[0], dense[:B, t], atol=1e-12,
+                                       rtol=0)
         m.thresholds.copy_(torch.stack([uj[0, t] for uj in u]).nextafter(torch.tensor(-math.inf)))
-        assert not torch.allclose(m(x)[0][0, t], dense[0, t])       # one ulp below θ: full, other logits
+        assert not torch.allclose(m(x)[0][0, t], dense[0, t])  # one ulp below θ: full, other logits
 
 
 @pytest.mark.parametrize("gate", ["G1", "G3"])
 def test_flops_saved_at_known_shares(gate):
-    """FLOPs per token (inference) at shares set exactly, B = 3: layer 1 all full, layer 2 all cheap; then
-    the top-k's ρ = 0.25 on both. Golden numbers from the tiny sizes (d 32, d_ff 128, r 4, G1 hidden 8;
-    G3: W_c 32→16, P (16+4)→8→8 twice, D 24→8→1)."""
+    """FLOPs per token (inference) at shares set exactly, B = 3: layer 1 all full, layer 2 all
+    cheap; then the top-k's ρ = 0.25 on both. Golden numbers from the tiny sizes (d 32, d_ff 128,
+    r 4, G1 hidden 8; G3: W_c 32→16, P (16+4)→8→8 twice, D 24→8→1)."""
     m = make(gate=gate).eval()
     cfg, x, y = m.cfg, *data(B=3)
     ffn, cheap, ctrl = 2 * 2 * 32 * 128, 2 * 2 * 32 * 4, {"G1": 2 * (32 * 8 + 8), "G3": 2320}[gate]
@@ -426,33 +453,41 @@ def test_flops_saved_at_known_shares(gate):
     m.mode = "topk"
     cfg.rho = 0.25
     st = m(x, y)[2]
-    assert abs(st["full_ratio"] - 0.25) < 1e-9 and [mk.sum().item() for mk in m.last_masks] == [24, 24]
+    assert (abs(st["full_ratio"] - 0.25) < 1e-9
+            and [mk.sum().item() for mk in m.last_masks] == [24, 24])
     assert abs(st["flops_saved_hard"] - 2 * (0.75 * (ffn - cheap) - ctrl) / dense) < 1e-6
     m.mode, cfg.rho = "causal", 0.5
-    with torch.no_grad():  # causal θ: rows route different numbers of tokens; the share is over all B·T
+    # causal θ: rows route different numbers of tokens; the share is over all B·T
+    with torch.no_grad():
         for j in range(2):
-            m.thresholds[j] = scored(m, x)[1][j][0].median()  # row 0's median: row 0 half full, others not
+            # row 0's median: row 0 half full, others not
+            m.thresholds[j] = scored(m, x)[1][j][0].median()
         st = m(x, y)[2]
     full = [mk.double().mean().item() for mk in m.last_masks]
     assert any(abs(mk[0].double().mean().item() - f) > 0.05 for mk, f in zip(m.last_masks, full))
     saved = sum((1 - f) * (ffn - cheap) - ctrl for f in full)
-    assert abs(st["full_ratio"] - sum(full) / 2) < 1e-6 and abs(st["flops_saved_hard"] - saved / dense) < 1e-6
+    assert (abs(st["full_ratio"] - sum(full) / 2) < 1e-6
+            and abs(st["flops_saved_hard"] - saved / dense) < 1e-6)
 
 
 def test_thresholds_are_a_running_average_of_the_topk_cut():
     m = make(rho=0.25)
-    assert torch.isinf(m.thresholds).all() and (m.thresholds > 0).all()  # untrained: every token cheap
+    # untrained: every token cheap
+    assert torch.isinf(m.thresholds).all() and (m.thresholds > 0).all()
     m.eval()
     assert m(*data())[2]["skipped"] == 1.0
     assert (make(rho=1.0).thresholds == -math.inf).all()  # ρ = 1: every token full
     m.train()
     cuts = []
     for s in range(25):
-        v = torch.stack(scored(m, data(B=2, seed=s)[0])[1]).flatten(1).sort(-1, descending=True).values  # (C, B·T)
+        v = torch.stack(scored(m, data(B=2, seed=s)[0])[1]).flatten(1).sort(
+            -1, descending=True).values  # (C, B·T)
         kb = 2 * cd.budget_k(0.25, 32)
-        cuts.append((v[:, kb - 1] + v[:, kb]) / 2)  # between the last full and the first cheap score
+        # between the last full and the first cheap score
+        cuts.append((v[:, kb - 1] + v[:, kb]) / 2)
         if s == 2:
-            assert torch.allclose(m.thresholds, torch.stack(cuts).mean(0), rtol=1e-12, atol=0)  # a cumulative mean ...
+            # a cumulative mean ...
+            assert torch.allclose(m.thresholds, torch.stack(cuts).mean(0), rtol=1e-12, atol=0)
     ema = torch.stack(cuts[:20]).mean(0)
     for c in cuts[20:]:
         ema = ema + cd.THRESHOLD_EMA * (c - ema)  # ... then a running average
@@ -465,7 +500,8 @@ def test_thresholds_are_a_running_average_of_the_topk_cut():
     scores = scored(m, x)[1]  # eval routes by u > θ, and eval never moves θ, whatever the mode
     assert torch.equal(m.thresholds, before)
     assert all(torch.equal(mk, u > t) for mk, u, t in zip(m.last_masks, scores, m.thresholds))
-    assert abs(torch.stack(m.last_masks).float().mean() - 0.25) < 0.1  # held-out tokens: near the budget
+    # held-out tokens: near the budget
+    assert abs(torch.stack(m.last_masks).float().mean() - 0.25) < 0.1
     fresh = make(rho=0.25)
     fresh.load_state_dict(m.state_dict())  # θ travels in the checkpoint
     assert torch.equal(fresh.eval()(x)[0], m(x)[0])
@@ -479,15 +515,18 @@ def test_eval_reports_causal_hard_loss_and_the_topk_soft_loss():
     m.eval()
     logits, loss, st = m(x, y)
     assert abs(st["soft_loss"] - lm_train) < 1e-9  # soft = top-k, what training optimises
-    assert abs(st["lm_loss"] - F.cross_entropy(logits.flatten(0, 1), y.flatten())) < 1e-6  # hard = causal
+    # hard = causal
+    assert abs(st["lm_loss"] - F.cross_entropy(logits.flatten(0, 1), y.flatten())) < 1e-6
     assert abs(st["lm_loss"] - st["soft_loss"]) > 1e-4  # they are different computations here
     full = torch.stack([mk.double().mean() for mk in m.last_masks])
     L, C = m.cfg.n_layer, m.cfg.n_controlled
     assert [f"skip_l{i}" for i in range(L - C, L)] == [k for k in st if k.startswith("skip_l")]
-    assert torch.allclose(torch.stack([st[f"skip_l{i}"] for i in range(L - C, L)]).double(), 1 - full)
+    assert torch.allclose(torch.stack([st[f"skip_l{i}"] for i in range(L - C, L)]).double(),
+                          1 - full)
     dense = common.dense_flops_per_token(m.cfg, 32)
     ffn, chp = common.flops_ffn(32, 128), common.flops_ffn(32, 4)
-    ours = dense + sum(f * ffn + (1 - f) * chp + cd.controller_flops(m.cfg, False) - ffn for f in full.tolist())
+    ours = dense + sum(f * ffn + (1 - f) * chp + cd.controller_flops(m.cfg, False) - ffn
+                       for f in full.tolist())
     assert abs(st["flops_saved_hard"] - (1 - ours / dense)) < 1e-6
     m.mode = "topk"
     st = m(x, y)[2]
@@ -498,7 +537,8 @@ def test_routing_map():
     m = calibrated(make(torch.float32))
     x = data(B=1)[0]
     mp, rows, legend = m.routing_map(x)
-    assert mp.shape == (2, 32) and rows == ["layer 1", "layer 2"] and legend == ("cheap FFN", "full FFN")
+    assert (mp.shape == (2, 32) and rows == ["layer 1", "layer 2"]
+            and legend == ("cheap FFN", "full FFN"))
     assert set(mp.unique().tolist()) == {0.0, 1.0} and m.training  # hard decisions; mode restored
     m.eval()
     m(x)
@@ -506,7 +546,8 @@ def test_routing_map():
 
 
 def test_controller_decides_in_fp32_under_autocast():
-    """Numerics policy: the score, hence the decision, depends on a only, not on the autocast dtype."""
+    """Numerics policy: the score, hence the decision, depends on a only,
+    not on the autocast dtype."""
     for gate in ("G1", "G3"):
         m = make(torch.float32, gate=gate)
         a = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -517,25 +558,29 @@ def test_controller_decides_in_fp32_under_autocast():
 
 
 def test_init_spreads_the_scores_and_the_actions():
-    """At step 0 the top-k must be decided by the features, not by rounding (GPT's 0.02 init gave var(u) 1e-12)."""
+    """At step 0 the top-k must be decided by the features, not by rounding
+    (GPT's 0.02 init gave var(u) 1e-12)."""
     for gate in ("G1", "G3"):
         m = make(torch.float32, gate=gate, randomize_cheap=False)
-        a = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(0))  # a residual stream of unit scale
+        # a residual stream of unit scale
+        a = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(0))
         for j in range(2):
             u = m.controller(j, a)[0]
             assert u.std() > 1e-3 and u.std() > 1e-2 * u.mean().abs(), (gate, u.std(), u.mean())
         if gate == "G3":
-            assert all((g.e[0] - g.e[1]).norm() > 1 and g.e.std() > 0.5 for g in m.gates)  # q_full ≠ q_cheap
+            # q_full ≠ q_cheap
+            assert all((g.e[0] - g.e[1]).norm() > 1 and g.e.std() > 0.5 for g in m.gates)
 
 
-# ---- the paper's equations, against the reference replay -------------------------------------------
+# ---- the paper's equations, against the reference replay -----------------------------------------
 
 @pytest.mark.parametrize("gate", ["G1", "G3"])
 def test_gate_reads_the_post_attention_state_and_the_head_its_three_inputs(gate):
     m = make(gate=gate).train()
     x, _ = data()
     for ref, u in zip(replay(m, x), scored(m, x)[1]):
-        assert torch.allclose(u, ref["u"].float() if u.dtype == torch.float32 else ref["u"], atol=1e-10)
+        assert torch.allclose(u, ref["u"].float() if u.dtype == torch.float32 else ref["u"],
+                              atol=1e-10)
 
 
 def test_jepa_pairs_q_with_its_own_action_and_averages_layers():
@@ -546,10 +591,12 @@ def test_jepa_pairs_q_with_its_own_action_and_averages_layers():
     per_layer = []
     for r, g in zip(ref, m.gates):
         zf, zc = g.target(r["h_full"]), g.target(r["h_cheap"])
-        per_layer.append((2 - F.cosine_similarity(r["qf"], zf, -1) - F.cosine_similarity(r["qc"], zc, -1)).mean())
+        per_layer.append((2 - F.cosine_similarity(r["qf"], zf, -1)
+                          - F.cosine_similarity(r["qc"], zc, -1)).mean())
     assert abs(st["jepa"] - torch.stack(per_layer).mean()) < 1e-10  # eq. (14), then 1/C Σ_l
     swapped = torch.stack([(2 - F.cosine_similarity(r["qf"], g.target(r["h_cheap"]), -1)
-                            - F.cosine_similarity(r["qc"], g.target(r["h_full"]), -1)).mean() for r, g in zip(ref, m.gates)])
+                            - F.cosine_similarity(r["qc"], g.target(r["h_full"]), -1)).mean()
+                           for r, g in zip(ref, m.gates)])
     assert abs(swapped.mean() - st["jepa"]) > 1e-3  # the check can tell the pairing apart
 
 
@@ -557,12 +604,15 @@ def test_budget_and_alive_are_per_layer():
     m = make(gate="G1", rho=0.5, p_min=0.3)
     with torch.no_grad():
         m.gates[0].w2.bias.fill_(8.0)   # layer 1: p ≈ 0.98
-        m.gates[1].w2.bias.fill_(-8.0)  # layer 2: p ≈ 0.02 (layer-mean ≈ ρ: a pooled p̄ would see no violation)
+        m.gates[1].w2.bias.fill_(-8.0)  # layer 2: p ≈ 0.02 (layer-mean ≈ ρ: a pooled p̄ would see
+                                        # no violation)
     x, y = data()
     st = m.train()(x, y)[2]
     p_bar = torch.stack([r["p"].mean() for r in replay(m, x)])
-    assert abs(st["budget"] - ((p_bar - 0.5) ** 2).mean()) < 1e-10 and st["budget"] > 0.15  # eq. (20)
-    assert abs(st["alive"] - F.relu(0.3 - p_bar).mean()) < 1e-10 and st["alive"] > 0.1     # eq. (21)
+    # eq. (20)
+    assert abs(st["budget"] - ((p_bar - 0.5) ** 2).mean()) < 1e-10 and st["budget"] > 0.15
+    # eq. (21)
+    assert abs(st["alive"] - F.relu(0.3 - p_bar).mean()) < 1e-10 and st["alive"] > 0.1
 
 
 def test_loss_is_eq_19_with_each_lambda_on_its_own_term():
@@ -574,17 +624,20 @@ def test_loss_is_eq_19_with_each_lambda_on_its_own_term():
     _, loss, st = m(x, y)
     ref = replay(m, x)
     u_star = cd.oracle_labels(m, prefix(m, x), y)
-    util = torch.stack([F.huber_loss(r["u"], us) for r, us in zip(ref, u_star)]).mean()     # eq. (17)
+    # eq. (17)
+    util = torch.stack([F.huber_loss(r["u"], us) for r, us in zip(ref, u_star)]).mean()
     torch.manual_seed(5)
-    rank = torch.stack([cd.rank_loss(r["u"], us) for r, us in zip(ref, u_star)]).mean()     # eq. (18), same pairs
+    # eq. (18), same pairs
+    rank = torch.stack([cd.rank_loss(r["u"], us) for r, us in zip(ref, u_star)]).mean()
     assert abs(st["util"] - util) < 1e-9 and abs(st["rank"] - rank) < 1e-9 and st["alive"] > 0
-    expect = st["lm_loss"] + 0.3 * st["jepa"] + 0.7 * util + 0.11 * rank + 1.9 * st["budget"] + 2.3 * st["alive"]
+    expect = (st["lm_loss"] + 0.3 * st["jepa"] + 0.7 * util + 0.11 * rank + 1.9 * st["budget"]
+              + 2.3 * st["alive"])
     assert abs(loss - expect) < 1e-9
 
 
 def test_jepa_gradient_stays_in_the_controller():
-    """sg(h) in eq. (11) and sg(T(h*)) in eq. (14): L_JEPA trains W_c, e, P only, never the backbone or the
-    cheap path, even when the backbone is trainable."""
+    """sg(h) in eq. (11) and sg(T(h*)) in eq. (14): L_JEPA trains W_c, e, P only, never the backbone
+    or the cheap path, even when the backbone is trainable."""
     grads = []
     for lam in (0.0, 5.0):
         m = make(gate="G3", controller_only=False, lam_jepa=lam, lam_b=0.0, lam_a=0.0).train()
@@ -622,11 +675,13 @@ def test_jepa_target_is_a_fixed_orthogonal_projection():
 
 
 def test_straight_through_gradient_is_eq_8():
-    """Forward = hard top-k; dL/du = <dL/dh, h_full − h_cheap> · σ'(u/τ)/τ from the LM loss alone."""
+    """Forward = hard top-k; dL/du = <dL/dh, h_full − h_cheap> · σ'(u/τ)/τ
+    from the LM loss alone."""
     m = make(gate="G1", lam_jepa=0.0, lam_util=0.0, lam_rank=0.0, lam_b=0.0, lam_a=0.0).train()
     x, y = data()
     ref = replay(m, x)
-    u = ref[-1]["u"].detach().requires_grad_(True)  # the last layer's score, fed through eq. (8) by hand
+    # the last layer's score, fed through eq. (8) by hand
+    u = ref[-1]["u"].detach().requires_grad_(True)
     p = torch.sigmoid(u / m.cfg.tau)
     m_st = ((ref[-1]["m"].double() - p).detach() + p)[..., None]
     h = m_st * ref[-1]["h_full"].detach() + (1 - m_st) * ref[-1]["h_cheap"].detach()
@@ -661,10 +716,11 @@ def test_cheap_path_starts_as_identity_and_rho1_is_the_dense_gpt():
     assert torch.allclose(m1(x)[0], dense.eval()(x)[0], atol=1e-12)
 
 
-# ---- the oracle (eqs. 15–16): the paper's per-token fork, independent of the gate policy ------------
+# ---- the oracle (eqs. 15–16): the paper's per-token fork, independent of the gate policy ---------
 
 def forced_ce(m, x, y, cheap_at):
-    """Per-token CE of the model with every controlled FFN full, except cheap_at {layer j: (B, T) bool}."""
+    """Per-token CE of the model with every controlled FFN full,
+    except cheap_at {layer j: (B, T) bool}."""
     h, L, C = m.embed(x), m.cfg.n_layer, m.cfg.n_controlled
     for i, block in enumerate(m.blocks):
         a = h + block.attn_delta(h)
@@ -673,17 +729,20 @@ def forced_ce(m, x, y, cheap_at):
         if j in cheap_at:
             h = torch.where(cheap_at[j][..., None], a + m.cheap[j](a), h)
     logits = m.head(h)[0]
-    return torch.stack([torch.stack([F.cross_entropy(logits[b, t], y[b, t]) if y[b, t] >= 0 else logits.new_zeros(())
-                                     for t in range(y.size(1))]) for b in range(y.size(0))])
+    return torch.stack([torch.stack([F.cross_entropy(logits[b, t], y[b, t]) if y[b, t] >= 0
+                                     else logits.new_zeros(()) for t in range(y.size(1))])
+                        for b in range(y.size(0))])
 
 
 def window(ce, W, g):
     T = ce.size(1)
-    return torch.stack([sum(g ** d * ce[:, t + d] for d in range(W) if t + d < T) for t in range(T)], 1)
+    return torch.stack([sum(g ** d * ce[:, t + d] for d in range(W) if t + d < T)
+                        for t in range(T)], 1)
 
 
 def test_oracle_labels_are_the_papers_per_token_fork():
-    """eq. (15): token t alone forked at layer j (everything else full, the dense prefix), windowed CE (eq. 16)."""
+    """eq. (15): token t alone forked at layer j (everything else full, the dense prefix),
+    windowed CE (eq. 16)."""
     m = make(n_layer=4, n_controlled=3, oracle_window=3, oracle_gamma=0.5)
     x, y = data(B=2, T=12)
     y[0, 5] = -1  # ignored targets contribute 0
@@ -698,7 +757,8 @@ def test_oracle_labels_are_the_papers_per_token_fork():
                 expect[:, t] = (window(forced_ce(m, x, y, {j: only_t}), 3, 0.5) - dense)[:, t]
             assert torch.allclose(labels[j], expect, atol=1e-10), j
             # not the cheaper all-tokens-at-once fork (the audit's 0.87-correlated labels)
-            every = window(forced_ce(m, x, y, {j: torch.ones_like(y, dtype=torch.bool)}), 3, 0.5) - dense
+            every = window(forced_ce(m, x, y, {j: torch.ones_like(y, dtype=torch.bool)}),
+                           3, 0.5) - dense
             assert not torch.allclose(labels[j], every, atol=1e-4)
     assert labels[0].abs().min() > 0  # the later layers really carry the fork's effect
 
@@ -732,8 +792,8 @@ def test_labels_only_on_label_steps_and_training_uses_them():
 
 
 def test_window_looks_forward_with_decay():
-    """eq. (16) as window() computes it, the reference the oracle's labels are checked against: a CE change at
-    position t0 only moves labels at t0−W+1 … t0, by γ^(t0−t)."""
+    """eq. (16) as window() computes it, the reference the oracle's labels are checked against: a CE
+    change at position t0 only moves labels at t0−W+1 … t0, by γ^(t0−t)."""
     T, W, g, t0 = 20, 4, 0.5, 10
     ce = torch.zeros(1, T)
     ce[0, t0] = 1.0
@@ -777,7 +837,7 @@ def test_derangement_and_a2_shuffle():
     assert base.eval()(x, y)[2]["jepa"] == shuf.eval()(x, y)[2]["jepa"]  # eval: never shuffled
 
 
-# ---- training scope, CLI ---------------------------------------------------------------------------
+# ---- training scope, CLI -------------------------------------------------------------------------
 
 def test_controller_only_freezes_the_backbone():
     m = make(gate="G3", label_start=0, init_from="a dense checkpoint")
@@ -787,20 +847,23 @@ def test_controller_only_freezes_the_backbone():
     for name, p in m.named_parameters():
         trainable = name.startswith(("cheap.", "gates.")) and ".target." not in name
         assert p.requires_grad == trainable, name
-        assert (p.grad is not None and p.grad.abs().sum() > 0) if trainable else p.grad is None, name
+        assert ((p.grad is not None and p.grad.abs().sum() > 0) if trainable
+                else p.grad is None), name
     full = make(controller_only=False)
     full.train()(x, y)[1].backward()
     assert full.blocks[0].mlp.c_fc.weight.grad is not None and full.wte.weight.grad is not None
 
 
-ARCH = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2", "--eval_iters=1"]
+ARCH = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2",
+        "--eval_iters=1"]
 
 
 def test_init_from_dense_checkpoint_rho1_reproduces_dense(data_dir, tmp_path):
     gpt_dir, cd_dir = str(tmp_path / "gpt"), str(tmp_path / "cd")
-    train.main(["--model", "gpt", f"--data_dir={data_dir}", f"--out_dir={gpt_dir}", "--max_iters=3", *ARCH])
-    train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={cd_dir}", "--max_iters=0",
-                f"--init_from={gpt_dir}/ckpt.pt", "--rho=1.0", "--n_controlled=1"])
+    train.main(["--model", "gpt", f"--data_dir={data_dir}", f"--out_dir={gpt_dir}",
+                "--max_iters=3", *ARCH])
+    train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={cd_dir}",
+                "--max_iters=0", f"--init_from={gpt_dir}/ckpt.pt", "--rho=1.0", "--n_controlled=1"])
     g, c = common.load_checkpoint(f"{gpt_dir}/ckpt.pt"), common.load_checkpoint(f"{cd_dir}/ckpt.pt")
     dense = common.Model(common.Config(**g["config"]))
     dense.load_state_dict(g["model"])
@@ -808,80 +871,99 @@ def test_init_from_dense_checkpoint_rho1_reproduces_dense(data_dir, tmp_path):
     ours.load_state_dict(c["model"])
     x = torch.randint(0, dense.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     ld, lo = dense.eval()(x)[0], ours.eval()(x)[0]
-    assert torch.allclose(ld, lo, atol=1e-5) and torch.allclose(ours(x, sparse=True)[0], ld, atol=1e-5)
-    ours.cfg.rho, ours.mode = 0.5, "topk"  # half the tokens cheap (identity at init): no longer the dense model
+    assert (torch.allclose(ld, lo, atol=1e-5)
+            and torch.allclose(ours(x, sparse=True)[0], ld, atol=1e-5))
+    # half the tokens cheap (identity at init): no longer the dense model
+    ours.cfg.rho, ours.mode = 0.5, "topk"
     assert not torch.allclose(ours(x)[0], ld, atol=1e-4)
 
 
 def test_finetune_from_a_dense_start_controller_only_vs_joint(data_dir, tmp_path):
-    """Controller-only (the paper's scope) leaves the dense start untouched: routing every
-    token full gives the start's logits exactly, so the routed model can only lose what the cheap path does
-    not recover. controller_only=false (the fine-tune recipe) trains the backbone too, and still the routers."""
+    """Controller-only (the paper's scope) leaves the dense start untouched: routing every token
+    full gives the start's logits exactly, so the routed model can only lose what the cheap path
+    does not recover. controller_only=false (the fine-tune recipe) trains the backbone too, and
+    still the routers."""
     gpt_dir = str(tmp_path / "gpt")
-    train.main(["--model", "gpt", f"--data_dir={data_dir}", f"--out_dir={gpt_dir}", "--max_iters=3", *ARCH])
+    train.main(["--model", "gpt", f"--data_dir={data_dir}", f"--out_dir={gpt_dir}",
+                "--max_iters=3", *ARCH])
     g = common.load_checkpoint(f"{gpt_dir}/ckpt.pt")
     dense = common.Model(common.Config(**g["config"]))
     dense.load_state_dict(g["model"])
     x = torch.randint(0, dense.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     for joint in (False, True):
         out = str(tmp_path / f"cd-joint{joint}")
-        train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={out}", f"--init_from={gpt_dir}/ckpt.pt",
-                    "--max_iters=4", "--warmup_iters=0", "--learning_rate=1e-3", "--batch_size=2", "--eval_iters=1",
-                    "--n_controlled=1", "--recipe=A3-G1", f"--controller_only={str(not joint).lower()}"])
+        train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={out}",
+                    f"--init_from={gpt_dir}/ckpt.pt", "--max_iters=4", "--warmup_iters=0",
+                    "--learning_rate=1e-3", "--batch_size=2", "--eval_iters=1", "--n_controlled=1",
+                    "--recipe=A3-G1", f"--controller_only={str(not joint).lower()}"])
         c = common.load_checkpoint(f"{out}/ckpt.pt")
         m = cd.Model(cd.Config(**c["config"]))
         m.load_state_dict(c["model"])
-        moved = [n for n, p in m.named_parameters() if n in g["model"] and not torch.equal(p, g["model"][n])]
+        moved = [n for n, p in m.named_parameters()
+                 if n in g["model"] and not torch.equal(p, g["model"][n])]
         assert bool(moved) == joint and (not joint or "blocks.0.mlp.c_fc.weight" in moved), moved
-        assert m.cheap[0].down.weight.abs().sum() > 0 and torch.isfinite(m.thresholds).all()  # routers trained
-        m.eval().thresholds.fill_(-math.inf)  # every token full: the dense start again, unless the backbone moved
+        # routers trained
+        assert m.cheap[0].down.weight.abs().sum() > 0 and torch.isfinite(m.thresholds).all()
+        # every token full: the dense start again, unless the backbone moved
+        m.eval().thresholds.fill_(-math.inf)
         same = torch.allclose(m(x)[0], dense.eval()(x)[0], atol=1e-5)
         assert same != joint
 
 
 def test_cli_run_logs_hard_soft_and_resumes_exactly(data_dir, tmp_path, monkeypatch, capsys):
     def run(out, *extra):
-        return train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=8",
-                           "--label_start=0", "--label_every=2", "--recipe=G1", "--log_interval=1", *ARCH,
-                           "--n_controlled=1", "--eval_interval=4", *extra])
-    recs = lambda out: [{k: v for k, v in json.loads(r).items() if k not in train.TIMING} for r in open(out / "metrics.jsonl")]
+        return train.main(["--model", "conddepth", f"--data_dir={data_dir}", f"--out_dir={out}",
+                           "--max_iters=8", "--label_start=0", "--label_every=2",
+                           "--recipe=G1", "--log_interval=1", *ARCH, "--n_controlled=1",
+                           "--eval_interval=4", *extra])
+    recs = lambda out: [{k: v for k, v in json.loads(r).items() if k not in train.TIMING}
+                        for r in open(out / "metrics.jsonl")]
     assert math.isfinite(run(tmp_path / "a"))
     evals = [r for r in recs(tmp_path / "a") if r["kind"] == "eval"]
     assert {"val_soft_loss", "val_skip_l1", "val_skipped", "val_flops_saved_hard"} <= set(evals[-1])
     assert 0 < evals[-1]["val_skipped"] < 1  # the causal thresholds were learnt during training
     real = common.lr_at
-    monkeypatch.setattr(common, "lr_at", lambda it, cfg: (_ for _ in ()).throw(KeyboardInterrupt) if it == 6
+    monkeypatch.setattr(common, "lr_at",
+                        lambda it, cfg: (_ for _ in ()).throw(KeyboardInterrupt) if it == 6
                         else real(it, cfg))
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "b")
     monkeypatch.setattr(common, "lr_at", real)
     run(tmp_path / "b", "--resume")
-    assert recs(tmp_path / "a") == recs(tmp_path / "b")  # θ and its batch count are in the checkpoint
+    # θ and its batch count are in the checkpoint
+    assert recs(tmp_path / "a") == recs(tmp_path / "b")
     with pytest.raises(SystemExit) as e:
-        train.main(["--model", "conddepth", f"--data_dir={data_dir}", "--recipe=A1", "--lam_jepa=0.5"])
+        train.main(["--model", "conddepth", f"--data_dir={data_dir}", "--recipe=A1",
+                    "--lam_jepa=0.5"])
     assert e.value.code == 2 and "contradicts" in capsys.readouterr().err
 
 
-# ---- compute proxies -------------------------------------------------------------------------------
+# ---- compute proxies -----------------------------------------------------------------------------
 
 def test_compute_proxies_paper_dims():
     P = cd.PRESETS["paper"]
     g1, g3 = cd.Config(**P, recipe="G1"), cd.Config(**P, recipe="G3")
-    for cfg, n in ((g1, 828_484), (g3, 849_348)):  # the paper's trainable controller counts (§4), exactly
+    # the paper's trainable controller counts (§4), exactly
+    for cfg, n in ((g1, 828_484), (g3, 849_348)):
         parts = [cd.CheapFFN(cfg), (cd.GateG1 if cfg.gate == "G1" else cd.GateG3)(cfg)]
-        assert cfg.n_controlled * sum(p.numel() for m in parts for p in m.parameters() if p.requires_grad) == n
+        assert cfg.n_controlled * sum(p.numel() for m in parts for p in m.parameters()
+                                      if p.requires_grad) == n
     ffn, ctrl = 2 * 2 * 640 * 2560, 2 * (640 * 160 + 160)
     for rho in (0.25, 0.5, 0.9):  # eq.: ρ·1 + (1 − ρ)·r/d_ff + ctrl/FFN
         c = cd.Config(**P, recipe="G1", rho=rho)
         assert abs(cd.infer_vs_full(c) - (rho + (1 - rho) * 80 / 2560 + ctrl / ffn)) < 1e-12
-        T, full = 256, [rho] * 4  # inference FLOPs at a uniform ρ = the dense model minus C·FFN·(1 − infer_vs_full)
+        # inference FLOPs at a uniform ρ = the dense model minus C·FFN·(1 − infer_vs_full)
+        T, full = 256, [rho] * 4
         assert abs(cd.flops_per_token(c, T, full) - common.dense_flops_per_token(c, T)
                    - 4 * ffn * (cd.infer_vs_full(c) - 1)) < 1e-3 * ffn
-    assert abs(cd.infer_vs_full(g1) - 0.547) < 0.001 and abs(cd.infer_vs_full(g3) - 0.553) < 0.001  # paper
+    # paper
+    assert abs(cd.infer_vs_full(g1) - 0.547) < 0.001 and abs(cd.infer_vs_full(g3) - 0.553) < 0.001
     a3g1, a3g3 = cd.Config(**P, recipe="A3-G1"), cd.Config(**P, recipe="A3-G3")
-    assert abs(cd.compute_vs_full(a3g1) - 1.0625) < 1e-3 and abs(cd.compute_vs_full(a3g3) - 1.0931) < 1e-3
+    assert (abs(cd.compute_vs_full(a3g1) - 1.0625) < 1e-3
+            and abs(cd.compute_vs_full(a3g3) - 1.0931) < 1e-3)
     frac = 3980 / 20000  # labels from step 100, every 5, of 20k
-    per_token = 4 + 4 * 80 / 2560 + 8 * 6  # dense pass + cheap forks + W × C(C−1)/2 later token-layers
+    # dense pass + cheap forks + W × C(C−1)/2 later token-layers
+    per_token = 4 + 4 * 80 / 2560 + 8 * 6
     assert abs(cd.compute_vs_full(g3) - cd.compute_vs_full(a3g3) - frac * per_token / 4) < 1e-12
 
 

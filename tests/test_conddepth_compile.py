@@ -1,6 +1,6 @@
-"""conddepth.py under torch.compile, on CPU: how many graphs each path compiles to (dynamo's explain and
-a counting backend, aot_eager: no C++ build), and compiled == eager. Each count was seen to fail on a
-planted `.item()` in its path."""
+"""conddepth.py under torch.compile, on CPU: how many graphs each path compiles to (dynamo's explain
+and a counting backend, aot_eager: no C++ build), and compiled == eager. Each count was seen to fail
+on a planted `.item()` in its path."""
 import copy
 
 import pytest
@@ -52,7 +52,8 @@ def test_eval_forward_is_one_graph():
 @pytest.mark.parametrize("n_controlled", [1, 2])
 def test_sparse_forward_is_one_graph_between_two_breaks(n_controlled):
     """sparse_controlled traces each layer's count of full tokens (sparse_ffn) as a symbol: the
-    sparse forward is 3 graphs at any number of controlled layers, the breaks at its config patch."""
+    sparse forward is 3 graphs at any number of controlled layers,
+    the breaks at its config patch."""
     m = calibrated(make(torch.float32, n_controlled=n_controlled)).eval()
     x = data(B=2)[0]
     with torch.no_grad():
@@ -62,8 +63,9 @@ def test_sparse_forward_is_one_graph_between_two_breaks(n_controlled):
 
 @pytest.mark.parametrize("B", [1, 4])
 def test_decode_step_is_one_graph_without_recompiles(B):
-    """torch.compile(step, fullgraph=True) decodes 64 tokens of mixed routing with the graph it compiled
-    first (no shape or guard depends on the position or the decisions), token for token as eager."""
+    """torch.compile(step, fullgraph=True) decodes 64 tokens of mixed routing with the graph it
+    compiled first (no shape or guard depends on the position or the decisions),
+    token for token as eager."""
     m = calibrated(make(torch.float32, block_size=80)).eval()
     with torch.no_grad():
         for p in m.parameters():  # sharp logits: a wrong step changes the greedy tokens
@@ -89,4 +91,5 @@ def test_decode_step_is_one_graph_without_recompiles(B):
     with torch.no_grad():
         m(torch.cat([prompt, out["eager"]], 1)[:, :80])
     decided = torch.stack(m.last_masks)[:, :, 8:]  # (C, B, 64): the decoded tokens' decisions
-    assert decided.any(-1).any(-1).all() and (~decided).any(-1).any(-1).all()  # each layer: both paths
+    # each layer: both paths
+    assert decided.any(-1).any(-1).all() and (~decided).any(-1).any(-1).all()

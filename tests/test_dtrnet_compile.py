@@ -57,7 +57,8 @@ def test_sparse_forward_is_one_graph_between_two_breaks(layers):
     dynamo.reset()
     with torch.no_grad():
         ref = m(x, sparse=True)[0]
-        assert torch.allclose(torch.compile(m, backend="aot_eager")(x, sparse=True)[0], ref, atol=1e-5)
+        assert torch.allclose(torch.compile(m, backend="aot_eager")(x, sparse=True)[0], ref,
+                              atol=1e-5)
 
 
 @pytest.mark.parametrize("B", [1, 4])

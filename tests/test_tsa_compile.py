@@ -1,5 +1,6 @@
-"""tsa.py under torch.compile, on CPU: the graphs and breaks of every path (torch._dynamo.explain, a counting
-backend), and compiled == eager (training losses and gradients, the sparse forward, greedy decoding)."""
+"""tsa.py under torch.compile, on CPU: the graphs and breaks of every path (torch._dynamo.explain,
+a counting backend), and compiled == eager (training losses and gradients, the sparse forward,
+greedy decoding)."""
 import copy
 
 import pytest
@@ -17,8 +18,10 @@ def graphs_and_breaks(fn, *args, **kw):
 
 
 def phase_model(mode):
-    """A model in the training phase `mode`: soft, straight-through (hard_st), or the calibrating step."""
-    kw = dict(max_iters=6, hard_ft_iters=3, hard_ft_routers="calibrate") if mode == "calibrate" else {}
+    """A model in the training phase `mode`: soft, straight-through (hard_st),
+    or the calibrating step."""
+    kw = (dict(max_iters=6, hard_ft_iters=3, hard_ft_routers="calibrate") if mode == "calibrate"
+          else {})
     m = make(mixed=True, dtype=torch.float32, **kw).train()
     m.on_step(3) if mode == "calibrate" else setattr(m, "hard_train", mode == "hard_st")
     return m
@@ -26,8 +29,9 @@ def phase_model(mode):
 
 @pytest.mark.parametrize("mode", ["soft", "hard_st", "calibrate"])
 def test_training_step_is_one_graph(mode):
-    """The training forward compiles with fullgraph=True into one graph (AOT autograd derives the backward from
-    it); the compiled forward + backward gives eager's loss and gradients (and, calibrating, eager's b2)."""
+    """The training forward compiles with fullgraph=True into one graph (AOT autograd derives the
+    backward from it); the compiled forward + backward gives eager's loss and gradients
+    (and, calibrating, eager's b2)."""
     x = ids()
     eager = phase_model(mode)
     compiled = copy.deepcopy(eager)
@@ -55,9 +59,9 @@ def test_eval_forward_is_one_graph():
 
 
 def test_sparse_forward_graphs():
-    """The sparse trunk is one graph (nonzero's size traced as a symbol): 3 graphs, so 2 breaks (around its call),
-    whatever the depth (at most one break per routed block); compiled == eager over batches whose active
-    counts differ, and with every token halted, without recompiling."""
+    """The sparse trunk is one graph (nonzero's size traced as a symbol): 3 graphs, so 2 breaks
+    (around its call), whatever the depth (at most one break per routed block); compiled == eager
+    over batches whose active counts differ, and with every token halted, without recompiling."""
     m = make(mixed=True, dtype=torch.float32).eval()
     with torch.no_grad():
         cc = CompileCounterWithBackend("aot_eager")
@@ -74,14 +78,16 @@ def test_sparse_forward_graphs():
 
 @pytest.mark.parametrize("B", [1, 4])
 def test_decode_step_compiles_whole(B):
-    """torch.compile(step, fullgraph=True) at B=1 and B=4: one graph for 64 greedy steps of mixed routing (steps
-    where a routed block runs and steps where it is skipped: torch.cond), the same tokens as the eager step."""
+    """torch.compile(step, fullgraph=True) at B=1 and B=4: one graph for 64 greedy steps of mixed
+    routing (steps where a routed block runs and steps where it is skipped: torch.cond), the same
+    tokens as the eager step."""
     m = make(mixed=True, dtype=torch.float32, block_size=80).eval()
     prompt = ids(B=4)[:B, :8]
     cc = CompileCounterWithBackend("aot_eager")
     dynamo.reset()
     toks = {}
-    for name, step in (("compiled", torch.compile(m.step, backend=cc, fullgraph=True)), ("eager", m.step)):
+    for name, step in (("compiled", torch.compile(m.step, backend=cc, fullgraph=True)),
+                       ("eager", m.step)):
         if name == "eager":
             rec = record_p(m)  # hooks after compiling (dynamo guards on them)
         with torch.no_grad():
