@@ -810,6 +810,17 @@ def test_compile_failing_at_compile_time_is_one_line_before_anything_is_written(
     # --sample --compile failing: test_sample_whose_decoding_step_fails_to_build_is_one_line
 
 
+def test_a_new_run_keeps_the_pictures_only_overwrite_removes(runs, tmp_path):
+    """A folder with no run in it is no run to replace: a new (dense) run leaves its other files,
+    the pictures of OUTPUTS too, as they were."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for f in ("routing.html", "sample_routing.html"):
+        (out / f).write_text("mine")
+    train.main(flags(runs / "data", out, "--max_iters=1"))
+    assert [(out / f).read_text() for f in ("routing.html", "sample_routing.html")] == ["mine"] * 2
+
+
 def test_empty_input_is_refused_and_not_cached(runs, tmp_path, capsys):
     d = tmp_path / "data" / "shakespeare"
     d.mkdir(parents=True)
