@@ -631,7 +631,12 @@ def test_the_run_says_its_size_and_times_its_evals_and_itself_from_its_start(
     monkeypatch.setattr(train, "summary", lambda *a: None)
     train.main(flags(runs / "data", tmp_path / "run"))
     out = capsys.readouterr().out
-    assert ", 1 process(es), 4 iters of 2×16 tokens\n" in out
+    assert out.startswith("gpt on shakespeare: 0.00M parameters, device cpu, 1 process(es), "
+                          "4 iters of 2×16 tokens\n")
+    # a dense model's eval line ends at its val loss; config.json is one field a line
+    assert re.search(r"\nstep 4: train loss \d\.\d{4}, val loss \d\.\d{4}\n", out)
+    config = (tmp_path / "run" / "config.json").read_text()
+    assert config.count("\n") == len(json.loads(config)) + 1
     times = [r["time"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
              if r["kind"] == "eval"]
     assert times == sorted(set(times)) and all(t == round(t, 2) for t in times), times

@@ -1458,7 +1458,8 @@ def test_ddp_two_processes_on_cpu(data_dir, tmp_path):
     assert p.returncode == 0, stderr[-2000:]
     # rank 0 alone logs
     assert stdout.count("2 process(es)") == 1 and stdout.count("step 4: train loss") == 1
-    assert common.load_checkpoint(str(tmp_path / "ckpt.pt"))["iter"] == 4
+    ckpt = common.load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert ckpt["iter"] == 4 and len(ckpt["rng_cpu"]) == 2  # each rank's RNG state
 
 
 def test_a_finished_ddp_worker_skips_the_interpreter_teardown(data_dir, tmp_path):
