@@ -637,11 +637,26 @@ def test_the_run_says_its_size_and_times_its_evals_and_itself_from_its_start(
     assert re.search(r"\nstep 4: train loss \d\.\d{4}, val loss \d\.\d{4}\n", out)
     config = (tmp_path / "run" / "config.json").read_text()
     assert config.count("\n") == len(json.loads(config)) + 1
+    # the optimizer stepped at the schedule's rate: the last step's (3) is in the checkpoint
+    lr = common.lr_at(3, common.Config(**json.loads(config)))
+    ckpt = common.load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
+    assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == [lr] * 2 and 0 < lr < 1e-3
     times = [r["time"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
              if r["kind"] == "eval"]
     assert times == sorted(set(times)) and all(t == round(t, 2) for t in times), times
     assert any(round(t % 1, 3) not in (0.0, 0.5) for t in times), times  # where 3 decimals show
     assert re.search(r"\ndone in \d+s; best val loss ", out) and times[-1] < 100
+
+
+def test_a_tie_keeps_the_first_best_weights(runs, tmp_path):
+    """best.pt holds the first weights to reach the best val loss: at a learning rate of 1e-30
+    (weights unchanged) every eval ties, and the step-0 weights stay."""
+    out = tmp_path / "run"
+    train.main(flags(runs / "data", out, "--learning_rate=1e-30", "--min_lr=0"))
+    losses = [r["val_loss"] for r in map(json.loads, open(out / "metrics.jsonl"))
+              if r["kind"] == "eval"]
+    assert len(losses) == 3 and len(set(losses)) == 1
+    assert common.load_checkpoint(str(out / "best.pt"))["iter"] == 0
 
 
 def test_the_data_is_prepared_with_the_runs_shards(runs, tmp_path, monkeypatch, capsys):
