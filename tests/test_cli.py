@@ -609,6 +609,12 @@ def test_train_lines_time_the_steps_alone(runs, tmp_path, monkeypatch, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("iter ")]
     recs = [r for r in map(json.loads, open(out / "metrics.jsonl")) if r["kind"] == "train"]
     assert [(r["step"], r["tok_s"]) for r in recs] == [(0, 32.0), (2, 32.0)]  # 2·16 tokens a step
+    # a dense GPT's record: these keys (no max_mem_gib off CUDA), its step's learning rate
+    arch_cfg = common.Config(**json.load(open(out / "config.json")))
+    assert all(set(r) == {"kind", "step", "loss", "lm_loss", "lr", "grad_norm", "tok_s", "mfu"}
+               for r in recs)
+    assert [r["lr"] for r in recs] == [common.lr_at(i, arch_cfg) for i in (0, 2)]
+    assert all(r["grad_norm"] > 0 for r in recs)
     assert [ln.split(": loss ")[0] for ln in lines] == ["iter 0/4", "iter 2/4"]
     assert [ln.split(", ", 1)[1] for ln in lines] == [
         f"1000 ms/iter, 32 tok/s, MFU {r['mfu']:.1%}, ETA {eta}"
