@@ -316,7 +316,10 @@ def test_a_ddp_rank_other_than_0_waits_for_each_of_rank_0s_fetches(hf, data_dir,
     class FirstStep(Exception):
         pass
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda m, device_ids: m)
-    monkeypatch.setattr(train, "accumulate", lambda *a, **k: (_ for _ in ()).throw(FirstStep))
+
+    def first_step(*a, **k):
+        raise FirstStep
+    monkeypatch.setattr(train, "accumulate", first_step)
     with pytest.raises(FirstStep):
         train.train(*train.parse(["--model=gpt", f"--init_from={hf[0]}",
                                   f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
